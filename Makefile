@@ -1,0 +1,47 @@
+# agentrl developer commands. `make setup && make train` runs the default job; `make test` runs the tests.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+VLLM_VENV := .venv-vllm
+TORCH_VERSION := 2.13.0
+VLLM_VERSION := 0.32.0
+PYTEST_ARGS ?=
+
+.PHONY: setup setup-vllm train test test-fast lint format clean
+
+setup: $(VENV)/.stamp-setup
+
+# torch first (the CPU build on disk here); with it present nothing else pulls a CUDA torch.
+$(VENV)/.stamp-setup: pyproject.toml cookbooks/math/pyproject.toml
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(VPY) -m pip install -q -e ".[dev]" -e cookbooks/math
+	@touch $@
+	@echo "agentrl: set up in $(VENV) (torch $$($(VPY) -c 'import torch; print(torch.__version__)'))"
+
+# vLLM for CPU in its own environment: it pins other transformers/fastapi versions than ours.
+setup-vllm: $(VLLM_VENV)/.stamp-setup
+
+$(VLLM_VENV)/.stamp-setup: scripts/setup_vllm.sh
+	bash scripts/setup_vllm.sh $(VLLM_VENV) $(TORCH_VERSION) $(VLLM_VERSION)
+	@touch $@
+
+train: setup
+	$(VENV)/bin/agentrl train
+
+test: setup setup-vllm
+	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
+
+test-fast: setup
+	$(VENV)/bin/pytest tests -m "not slow and not vllm" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check agentrl tests benchmarks cookbooks
+	$(VENV)/bin/ruff format --check agentrl tests benchmarks cookbooks
+
+format: setup
+	$(VENV)/bin/ruff format agentrl tests benchmarks cookbooks
+	$(VENV)/bin/ruff check --fix agentrl tests benchmarks cookbooks
+
+clean:
+	rm -rf outputs .pytest_cache

@@ -1,0 +1,132 @@
+"""The data model shared by every layer: what a rollout produces and what crosses process boundaries.
+
+Pydantic models, so that anything arriving over HTTP or from a user's AgentFlow is validated where it
+enters, and an error names the field that was wrong.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TerminationReason(str, Enum):
+    """Why an episode ended. Compact filtering (`agent.compact_filtering.mask_*`) keys on these."""
+
+    ENV_DONE = "env_done"
+    MAX_TURNS_EXCEEDED = "max_turns_exceeded"
+    MAX_PROMPT_LENGTH_EXCEEDED = "max_prompt_length_exceeded"
+    MAX_RESPONSE_LENGTH_EXCEEDED = "max_response_length_exceeded"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    UNKNOWN = "unknown"
+
+
+class SamplingParams(BaseModel):
+    """Sampling settings for one generation call; a training phase shares one setting."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0)
+    """0 means greedy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    """-1 disables top-k."""
+    max_tokens: int = Field(64, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    n: int = Field(1, ge=1)
+    seed: int | None = None
+
+
+class GenerationOutput(BaseModel):
+    """One completion from an engine: the exact tokens sampled and the logprob of each."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length", "abort"]
+    text: str = ""
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+class Trace(BaseModel):
+    """One model call as the gateway saw it: the ground truth training uses (token in, token out)."""
+
+    session_id: str
+    request_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    policy_version: int = 0
+    latency_s: float = 0.0
+    server: str = ""
+    messages: list[dict[str, Any]] | None = None
+    """The chat request's messages (None for /completions)."""
+    completion_text: str = ""
+    tool_calls: list[dict[str, Any]] | None = None
+    choice_index: int = 0
+
+
+class Task(BaseModel):
+    """One dataset row as the flow sees it. `data` holds the whole row (prompt, data_source, ...)."""
+
+    id: str
+    data: dict[str, Any] = Field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+
+class Step(BaseModel):
+    """One model call inside a trajectory, filled with the gateway's token ids and logprobs."""
+
+    prompt_ids: list[int] = Field(default_factory=list)
+    response_ids: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    model_response: str = ""
+    finish_reason: str = ""
+    advantage: float | None = None
+    info: dict[str, Any] = Field(default_factory=dict)
+
+
+class Trajectory(BaseModel):
+    """A sequence of steps by one role (`name`) of an agent; advantages group by (task, name)."""
+
+    name: str = "agent"
+    steps: list[Step] = Field(default_factory=list)
+    reward: float | None = None
+    """Set by the flow to keep its own reward; None means the evaluator's reward fills it."""
+
+
+class Episode(BaseModel):
+    """Everything one rollout of one task produced, with how it ended and how it scored."""
+
+    id: str = ""
+    task_id: str = ""
+    task: dict[str, Any] = Field(default_factory=dict)
+    trajectories: list[Trajectory] = Field(default_factory=list)
+    answer: str | None = None
+    """The flow's final answer when it returned a string."""
+    termination_reason: TerminationReason = TerminationReason.UNKNOWN
+    is_correct: bool = False
+    reward: float = 0.0
+    error: str | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class EvalOutput(BaseModel):
+    """What an Evaluator returns for one episode."""
+
+    reward: float
+    is_correct: bool | None = None
+    """None means `reward > 0`."""
+    metrics: dict[str, float] = Field(default_factory=dict)

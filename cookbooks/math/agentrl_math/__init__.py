@@ -1,0 +1,1 @@
+"""agentrl cookbook: math word problems (GSM8K format)."""
