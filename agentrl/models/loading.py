@@ -1,0 +1,54 @@
+"""Loading models, tokenizers and processors through the ordinary transformers path.
+
+Every path first goes through `resolve_model_path`, so `tiny:` specs, local folders and hub ids
+are all loaded the same way (`from_pretrained` on a folder); nothing here is tiny-specific.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentrl.models.tiny import resolve_model_path
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _to_torch_dtype(dtype: str):
+    import torch
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; allowed: {list(_DTYPES)}")
+    return getattr(torch, dtype)
+
+
+def load_tokenizer(path: str, **kwargs: Any):
+    """`AutoTokenizer.from_pretrained` on the resolved path (fast tokenizer, with its chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(path), **kwargs)
+
+
+def _is_vision_language(config: Any) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu", **kwargs: Any):
+    """Load a causal LM (or, for a Qwen2-VL folder, the image-text-to-text model) in eval mode.
+
+    Callers that train switch it to `.train()`; keeping eval as the default means a freshly loaded
+    model generates deterministically (no dropout) wherever it is used.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    resolved = resolve_model_path(path)
+    config = AutoConfig.from_pretrained(resolved, trust_remote_code=kwargs.get("trust_remote_code", False))
+    auto_cls = AutoModelForImageTextToText if _is_vision_language(config) else AutoModelForCausalLM
+    model = auto_cls.from_pretrained(resolved, dtype=_to_torch_dtype(dtype), **kwargs)
+    return model.to(device).eval()
+
+
+def load_processor(path: str, **kwargs: Any):
+    """`AutoProcessor.from_pretrained` on the resolved path (image processor + tokenizer for VL models)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(resolve_model_path(path), **kwargs)

@@ -1,0 +1,206 @@
+"""Tiny offline model presets: `tiny:<preset>[@seed]` -> a cached Hugging Face folder.
+
+Tests and the default CPU run need a real Qwen2 model without a hub download. A preset is a
+recipe (model config + tokenizer settings); building it trains the tokenizer, initialises the
+weights from the seed and saves an ordinary HF folder that transformers and vLLM load as usual.
+The folder name carries a hash of the recipe, so changing a recipe never reuses a stale build, and
+the build happens in a temporary folder renamed into place, so a crash or a concurrent builder
+never leaves a half folder behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentrl.models import tokenizer as tok_lib
+
+TINY_PREFIX = "tiny:"
+# Bump when the build code changes in a way the recipe dict does not capture.
+_BUILD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TinyPreset:
+    """A build recipe. `text` holds Qwen2 text-model config fields; `vision` (if set) makes a Qwen2-VL."""
+
+    name: str
+    text: dict[str, Any]
+    vision: dict[str, Any] | None = None
+    image_processor: dict[str, Any] | None = None
+    vocab_size: int = tok_lib.DEFAULT_VOCAB_SIZE
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def recipe(self) -> dict[str, Any]:
+        return {
+            "build_version": _BUILD_VERSION,
+            "name": self.name,
+            "text": self.text,
+            "vision": self.vision,
+            "image_processor": self.image_processor,
+            "vocab_size": self.vocab_size,
+            "chat_template": _sha(tok_lib.CHAT_TEMPLATE),
+            "corpus": _sha("\n".join(tok_lib.build_corpus())),
+            "extra": self.extra,
+        }
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_QWEN2_TEXT = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.02,
+}
+
+PRESETS: dict[str, TinyPreset] = {
+    "qwen2": TinyPreset(name="qwen2", text=_QWEN2_TEXT),
+    "qwen2-mini": TinyPreset(
+        name="qwen2-mini",
+        text={**_QWEN2_TEXT, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2},
+    ),
+    "qwen2-vl": TinyPreset(
+        name="qwen2-vl",
+        text={**_QWEN2_TEXT, "num_hidden_layers": 2},
+        vision={
+            "depth": 2,
+            "embed_dim": 64,
+            "num_heads": 4,
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+        },
+        # 56*56 .. 224*224 pixels -> 4 .. 64 image tokens after the 2x2 merge.
+        image_processor={"min_pixels": 56 * 56, "max_pixels": 224 * 224},
+    ),
+}
+
+
+def parse_tiny_spec(spec: str) -> tuple[TinyPreset, int]:
+    """`tiny:<preset>[@seed]` -> (preset, seed). Raises ValueError naming the valid presets."""
+    if not spec.startswith(TINY_PREFIX):
+        raise ValueError(f"not a tiny model spec: {spec!r} (expected 'tiny:<preset>[@seed]')")
+    body = spec[len(TINY_PREFIX) :]
+    name, _, seed_text = body.partition("@")
+    if name not in PRESETS:
+        raise ValueError(f"unknown tiny preset {name!r} in {spec!r}; valid presets: {sorted(PRESETS)}")
+    if not seed_text:
+        return PRESETS[name], 0
+    try:
+        seed = int(seed_text)
+    except ValueError:
+        raise ValueError(
+            f"bad seed {seed_text!r} in {spec!r}: expected an integer, e.g. 'tiny:{name}@1'"
+        ) from None
+    return PRESETS[name], seed
+
+
+def cache_root() -> Path:
+    """`$AGENTRL_CACHE/tiny` if set, else `~/.cache/agentrl/tiny`."""
+    base = os.environ.get("AGENTRL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "agentrl")
+    return Path(base) / "tiny"
+
+
+def tiny_model_dir(preset: TinyPreset, seed: int) -> Path:
+    recipe_hash = _sha(json.dumps(preset.recipe(), sort_keys=True))[:12]
+    return cache_root() / f"{preset.name}-s{seed}-{recipe_hash}"
+
+
+def resolve_model_path(path: str) -> str:
+    """Return a loadable model path: `tiny:` specs are built (once) and cached; anything else unchanged."""
+    if not isinstance(path, str) or not path.startswith(TINY_PREFIX):
+        return path
+    preset, seed = parse_tiny_spec(path)
+    target = tiny_model_dir(preset, seed)
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        build_tiny_model(preset, seed, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another builder won the race; its folder is complete (renames are atomic), keep it.
+            if not (target / "model.safetensors").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def build_tiny_model(preset: TinyPreset, seed: int, folder: str | Path) -> None:
+    """Write a complete HF folder for `preset` with weights drawn from `seed` into `folder`."""
+    import torch
+
+    folder = Path(folder)
+    tokenizer = tok_lib.build_tokenizer(vocab_size=preset.vocab_size)
+    ids = {t: tokenizer.token_to_id(t) for t in tok_lib.SPECIAL_TOKENS}
+    vocab_size = tokenizer.get_vocab_size()
+    max_len = preset.text["max_position_embeddings"]
+    common = {
+        "vocab_size": vocab_size,
+        "bos_token_id": None,
+        "eos_token_id": ids[tok_lib.EOS_TOKEN],
+        "pad_token_id": ids[tok_lib.PAD_TOKEN],
+    }
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if preset.vision is None:
+            model = _build_qwen2(preset, common)
+        else:
+            model = _build_qwen2_vl(preset, common, ids)
+    model.generation_config.eos_token_id = [ids[tok_lib.EOS_TOKEN], ids[tok_lib.PAD_TOKEN]]
+    model.generation_config.pad_token_id = ids[tok_lib.PAD_TOKEN]
+    model.generation_config.bos_token_id = None
+    model.save_pretrained(folder, safe_serialization=True)
+    tok_lib.save_tokenizer_files(folder, tokenizer, model_max_length=max_len)
+    if preset.vision is not None:
+        from agentrl.models.vision import save_processor_files
+
+        save_processor_files(folder, preset)
+    (folder / "agentrl_recipe.json").write_text(json.dumps({**preset.recipe(), "seed": seed}, indent=1))
+
+
+def _build_qwen2(preset: TinyPreset, common: dict[str, Any]):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**preset.text, **common, torch_dtype="float32")
+    return Qwen2ForCausalLM(config).to(torch.float32).eval()
+
+
+def _build_qwen2_vl(preset: TinyPreset, common: dict[str, Any], ids: dict[str, int]):
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    vision = {**preset.vision, "hidden_size": preset.text["hidden_size"]}
+    config = Qwen2VLConfig(
+        text_config={**preset.text, **common, "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}},
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=preset.text["tie_word_embeddings"],
+        **common,
+    )
+    return Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
