@@ -48,7 +48,20 @@ def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu", **kwa
 
 
 def load_processor(path: str, **kwargs: Any):
-    """`AutoProcessor.from_pretrained` on the resolved path (image processor + tokenizer for VL models)."""
-    from transformers import AutoProcessor
+    """`AutoProcessor.from_pretrained` on the resolved path (image processor + tokenizer for VL models).
 
-    return AutoProcessor.from_pretrained(resolve_model_path(path), **kwargs)
+    Where the video processor cannot load (no torchvision, as on CPU-only machines) a Qwen2-VL
+    folder gets the same processor without its video half (see `vision.build_image_only_processor`).
+    """
+    from transformers import AutoConfig, AutoProcessor
+
+    resolved = resolve_model_path(path)
+    try:
+        return AutoProcessor.from_pretrained(resolved, **kwargs)
+    except ImportError as exc:
+        model_type = getattr(AutoConfig.from_pretrained(resolved), "model_type", None)
+        if "torchvision" not in str(exc).lower() or model_type != "qwen2_vl":
+            raise
+        from agentrl.models.vision import build_image_only_processor
+
+        return build_image_only_processor(resolved)

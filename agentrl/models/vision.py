@@ -1,0 +1,128 @@
+"""Processor files for the tiny Qwen2-VL preset, and turning image references into PIL images.
+
+The processor config is written as plain JSON with the standard Qwen2-VL keys (both the
+`min_pixels`/`max_pixels` spelling of transformers 4 and the `size` dict of transformers 5), so
+`AutoProcessor.from_pretrained(folder)` works in either version and in vLLM. Pixel bounds are
+small so an image becomes a handful of tokens on CPU.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from agentrl.models.tiny import TinyPreset
+
+# CLIP normalisation, which Qwen2-VL uses.
+_IMAGE_MEAN = [0.48145466, 0.4578275, 0.40821073]
+_IMAGE_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+def build_image_processor_config(preset: TinyPreset) -> dict[str, Any]:
+    vision, bounds = preset.vision or {}, preset.image_processor or {}
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+        "min_pixels": bounds["min_pixels"],
+        "max_pixels": bounds["max_pixels"],
+        "size": {"shortest_edge": bounds["min_pixels"], "longest_edge": bounds["max_pixels"]},
+        "patch_size": vision["patch_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+        "image_mean": _IMAGE_MEAN,
+        "image_std": _IMAGE_STD,
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "resample": 3,
+    }
+
+
+def save_processor_files(folder: str | Path, preset: TinyPreset) -> None:
+    """Write preprocessor_config.json (+ video config, processor_config.json) next to the tokenizer."""
+    folder = Path(folder)
+    image_config = build_image_processor_config(preset)
+    (folder / "preprocessor_config.json").write_text(json.dumps(image_config, indent=1))
+    video_config = {**image_config, "video_processor_type": "Qwen2VLVideoProcessor"}
+    del video_config["image_processor_type"]
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video_config, indent=1))
+    (folder / "processor_config.json").write_text(
+        json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=1)
+    )
+
+
+def load_image(ref: Any) -> Image.Image:
+    """A PIL image from a PIL image, a local path, a `file://` URL or a `data:image/...;base64,` URL.
+
+    Uses qwen-vl-utils when it imports (it needs torchvision, missing on CPU-only machines), and
+    the same few lines of PIL otherwise; remote http(s) URLs need qwen-vl-utils.
+    """
+    from PIL import Image
+
+    if isinstance(ref, Image.Image):
+        return ref.convert("RGB")
+    if isinstance(ref, dict):
+        ref = ref.get("image") or ref.get("image_url") or ref.get("url")
+        if isinstance(ref, dict):
+            ref = ref.get("url")
+    if not isinstance(ref, str):
+        raise ValueError(f"unsupported image reference of type {type(ref).__name__}")
+    if ref.startswith("data:"):
+        _, _, payload = ref.partition(",")
+        return Image.open(io.BytesIO(base64.b64decode(payload))).convert("RGB")
+    if ref.startswith(("http://", "https://")):
+        try:
+            from qwen_vl_utils import fetch_image
+        except ImportError as exc:
+            raise ValueError(f"loading a remote image ({ref}) needs qwen-vl-utils: {exc}") from exc
+        return fetch_image({"image": ref}).convert("RGB")
+    path = ref.removeprefix("file://")
+    if not Path(path).exists():
+        raise FileNotFoundError(f"image file not found: {path}")
+    return Image.open(path).convert("RGB")
+
+
+def _image_only_processor_class():
+    """Define the class on first use so importing this module never imports transformers."""
+    global _ImageOnlyProcessor
+    if _ImageOnlyProcessor is None:
+        from transformers import Qwen2VLProcessor
+        from transformers.processing_utils import ProcessorMixin
+
+        class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+            def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+                self.image_token = "<|image_pad|>"
+                self.video_token = "<|video_pad|>"
+                self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+                self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+                ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+        _ImageOnlyProcessor = ImageOnlyQwen2VLProcessor
+    return _ImageOnlyProcessor
+
+
+_ImageOnlyProcessor = None
+
+
+def build_image_only_processor(folder: str | Path):
+    """A Qwen2-VL processor without its video half, for machines without torchvision.
+
+    transformers 5 refuses to build `Qwen2VLProcessor` when the video processor cannot load, and
+    that one needs torchvision, which has no CPU build here. Images only need the PIL image
+    processor, so this builds the same processor class minus the video attribute; it renders and
+    tokenizes exactly like the full one for text and images (videos are not supported).
+    """
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    image_processor = AutoImageProcessor.from_pretrained(folder)
+    processor_cls = _image_only_processor_class()
+    return processor_cls(image_processor, tokenizer, chat_template=tokenizer.chat_template)
