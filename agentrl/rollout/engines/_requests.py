@@ -1,0 +1,134 @@
+"""Book-keeping of requests and their sequences inside the embedded engine (no torch model here).
+
+A request with `n` completions becomes `n` sequences; each sequence owns its tokens, raw
+logprobs, stop checking and its own `torch.Generator`. Stop handling follows vLLM: a stop string
+ends the sequence with finish_reason "stop"; the returned text stops before the stop string,
+while `token_ids` (and `logprobs`) keep every sampled token including the ones that spelled the
+stop string, because training needs tokens that match their logprobs exactly. An EOS or
+`stop_token_ids` token is kept in `token_ids` too (as vLLM does) and left out of the text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from agentrl.types import GenerationOutput, SamplingParams
+
+# Special tokens whose text is part of what a model says (tool calls, thinking), so they stay in
+# decoded text even though the tiny tokenizers mark them special.
+VISIBLE_SPECIAL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                          "<think>", "</think>")
+
+
+@dataclass
+class StreamEvent:
+    """New tokens of one completion since the last event; `output` is set when it finished."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    output: GenerationOutput | None = None
+
+
+@dataclass
+class Request:
+    """One `generate` call: the prompt, its settings and where its events go (an asyncio queue)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    top_logprobs: int
+    max_new_tokens: int
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    stream: bool = False
+    """Deliver tokens after every step (else only finished completions)."""
+    cancelled: bool = False
+
+
+@dataclass
+class Sequence:
+    """One completion being generated; `pending` is the sampled token not yet fed to the model."""
+
+    request: Request
+    index: int
+    generator: torch.Generator | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_text_end: int | None = None
+    decoded_len: int = 0
+    sent: int = 0
+
+    @property
+    def pending(self) -> int:
+        return self.token_ids[-1]
+
+
+def build_sequences(request: Request, device: torch.device) -> list[Sequence]:
+    """`n` sequences; completion i of a seeded request uses seed + i, so each is reproducible."""
+    base_seed = request.params.seed if request.params.seed is not None else random.getrandbits(62)
+    sequences = []
+    for i in range(request.params.n):
+        generator = None
+        if request.params.temperature > 0:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(base_seed + i)
+        sequences.append(Sequence(request=request, index=i, generator=generator))
+    return sequences
+
+
+class Detokenizer:
+    """Decodes completions and finds stop strings and stop tokens for the engine."""
+
+    def __init__(self, tokenizer, eos_token_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        visible = {tokenizer.convert_tokens_to_ids(t) for t in VISIBLE_SPECIAL_TOKENS
+                   if t in tokenizer.get_vocab()}
+        self.hidden_ids = set(tokenizer.all_special_ids) - visible
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode([t for t in token_ids if t not in self.hidden_ids], skip_special_tokens=False)
+
+    def check_finished(self, seq: Sequence, max_model_len_reached: bool) -> None:
+        """Set `seq.finish_reason` (and where a stop string starts) after a token was appended."""
+        params = seq.request.params
+        token = seq.token_ids[-1]
+        if token in self.eos_token_ids or token in params.stop_token_ids:
+            seq.finish_reason = "stop"
+            return
+        if params.stop:
+            text = self.decode(seq.token_ids)
+            longest = max(len(s) for s in params.stop)
+            window_start = max(0, seq.decoded_len - longest)
+            seq.decoded_len = len(text)
+            hits = [pos for s in params.stop if (pos := text.find(s, window_start)) >= 0]
+            if hits:
+                seq.finish_reason = "stop"
+                seq.stop_text_end = min(hits)
+                return
+        if len(seq.token_ids) >= seq.request.max_new_tokens or max_model_len_reached:
+            seq.finish_reason = "length"
+
+    def build_output(self, seq: Sequence) -> GenerationOutput:
+        text = self.decode(seq.token_ids)
+        if seq.stop_text_end is not None:
+            text = text[: seq.stop_text_end]
+        return GenerationOutput(token_ids=list(seq.token_ids), logprobs=list(seq.logprobs),
+                                finish_reason=seq.finish_reason or "abort", text=text,
+                                top_logprobs=list(seq.top_logprobs) if seq.request.top_logprobs else None)
+
+    def take_event(self, seq: Sequence) -> StreamEvent:
+        """The tokens not yet sent to the request's queue (and the final output if finished)."""
+        start, seq.sent = seq.sent, len(seq.token_ids)
+        tops = seq.top_logprobs[start:] if seq.request.top_logprobs else None
+        output = self.build_output(seq) if seq.finish_reason else None
+        return StreamEvent(index=seq.index, token_ids=seq.token_ids[start:], logprobs=seq.logprobs[start:],
+                           top_logprobs=tops, finish_reason=seq.finish_reason, output=output)

@@ -1,0 +1,120 @@
+"""Weight updates for a served transformers model: in-place loads, fingerprints, merged LoRA adapters.
+
+The hybrid engine syncs weights every training step, so the trainer must be able to check that the
+engine serves exactly what it trained: `fingerprint_state_dict` hashes a strided sample of every
+tensor's values (as float64, so a bf16 copy and its fp32 upcast agree). It is exact and reads only
+a few thousand numbers per tensor, so it stays cheap for large models; a change confined to the
+unsampled elements of a tensor goes unseen (full updates and LoRA merges touch every element).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+_SAMPLES_PER_TENSOR = 1024
+
+
+def fingerprint_state_dict(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """Hash of names, shapes and a strided value sample of every tensor; equal weights -> equal string."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name]
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() > _SAMPLES_PER_TENSOR:
+            index = torch.linspace(0, flat.numel() - 1, _SAMPLES_PER_TENSOR, device=flat.device).long()
+            flat = flat.index_select(0, index)
+        digest.update(f"{name}:{tuple(tensor.shape)}:".encode())
+        digest.update(flat.to("cpu", torch.float64).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+@torch.no_grad()
+def load_weights_in_place(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy `state_dict` into the model's own tensors (same storage, so nothing is reallocated).
+
+    Names must be the model's own (`model.state_dict()` keys); missing names keep their values, so a
+    partial update (e.g. without a tied `lm_head.weight`) is allowed. Unknown names or wrong shapes
+    raise ValueError naming the tensor, before anything is written.
+    """
+    own = model.state_dict()
+    unknown = sorted(k for k in state_dict if k not in own)
+    if unknown:
+        raise ValueError(f"update_weights: unknown parameter names {unknown[:5]} (model has e.g. {list(own)[:3]})")
+    for name, value in state_dict.items():
+        if tuple(value.shape) != tuple(own[name].shape):
+            raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, "
+                             f"model expects {tuple(own[name].shape)}")
+    for name, value in state_dict.items():
+        own[name].copy_(value)
+
+
+def read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """Read a `.safetensors` file, or every `*.safetensors` file of an HF model folder."""
+    from safetensors.torch import load_file
+
+    source = Path(path)
+    if source.is_file():
+        return load_file(str(source))
+    files = sorted(source.glob("*.safetensors")) if source.is_dir() else []
+    if not files:
+        raise ValueError(f"update_weights: {path!r} is neither a .safetensors file nor a folder containing one")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+class LoraMerger:
+    """Merges one peft LoRA adapter at a time into the served weights, restoring the base first.
+
+    Merging (rather than serving through peft's wrapped modules) keeps the decode path identical
+    for base and adapter and costs nothing per token. The price: one adapter is active at a time,
+    and the original values of the touched weights are kept (on CPU) to undo the merge when the
+    next adapter arrives.
+    """
+
+    def __init__(self) -> None:
+        self._originals: dict[str, torch.Tensor] = {}
+        self.active: str | None = None
+
+    def forget_base(self) -> None:
+        """A full weight update replaced the base: the next adapter merges onto the new weights."""
+        self._originals.clear()
+        self.active = None
+
+    @torch.no_grad()
+    def restore_base(self, model: torch.nn.Module) -> None:
+        params = dict(model.named_parameters())
+        for name, original in self._originals.items():
+            params[name].copy_(original)
+        self._originals.clear()
+        self.active = None
+
+    @torch.no_grad()
+    def merge(self, model: torch.nn.Module, name: str, path: str) -> None:
+        from peft import PeftModel
+        from peft.tuners.lora import LoraLayer
+
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise ValueError(f"load_lora_adapter: no adapter_config.json in lora_path {path!r}")
+        self.restore_base(model)
+        id_to_name = {id(p): n for n, p in model.named_parameters()}
+        peft_model = PeftModel.from_pretrained(model, path, adapter_name="default", is_trainable=False)
+        originals: dict[str, torch.Tensor] = {}
+        for module in peft_model.modules():
+            if isinstance(module, LoraLayer):
+                for param in module.get_base_layer().parameters(recurse=False):
+                    if id(param) in id_to_name:
+                        originals[id_to_name[id(param)]] = param.detach().to("cpu", copy=True)
+        peft_model.merge_and_unload()
+        for attr in ("peft_config", "_hf_peft_config_loaded"):
+            if hasattr(model, attr) and attr in model.__dict__:
+                delattr(model, attr)
+        self._originals = originals
+        self.active = name

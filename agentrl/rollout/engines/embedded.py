@@ -1,0 +1,319 @@
+"""The embedded engine: continuous batching over a transformers causal LM, on CPU or CUDA.
+
+Choice of batching (measured; see docs/benchmarks.md): transformers 5's own
+`ContinuousBatchingManager` (paged KV cache) was evaluated first and not used, because
+(1) its sampling settings (temperature, top-p, top-k, do_sample) are per manager, and our API
+and the OpenAI protocol take them per request (train and validation differ, agents set their
+own); (2) its logprobs are `log(softmax(processed scores))`, i.e. after temperature and top-p,
+while RL needs the raw policy logprob, and `log(softmax)` underflows where `log_softmax` does not;
+(3) it samples with the global RNG, so per-request seeds cannot be honoured; (4) it has no stop
+strings. Instead a compact scheduler of our own runs in a background thread: between decode steps
+it admits waiting requests (prefilled as one left-padded batch, then concatenated to the running
+batch's `DynamicCache`) and retires finished rows (`_batch.py`); each row samples with its own
+settings and `torch.Generator` (`_sampling.py`). Per-request seeds therefore give the same
+tokens whatever else is in the batch, and greedy (temperature 0) equals `model.generate`'s greedy.
+
+Logprobs are raw (log-softmax of the unprocessed logits at the sampled token), matching a
+teacher-forced forward pass of the same weights. Weight updates and LoRA merges take the step lock,
+so they land between two decode steps; sequences still running continue with the new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import torch
+
+from agentrl.rollout.engines._batch import PaddedBatch, decode, merge, prefill, select_rows
+from agentrl.rollout.engines._requests import Detokenizer, Request, Sequence, StreamEvent, build_sequences
+from agentrl.rollout.engines._sampling import RowSampling, select_tokens
+from agentrl.rollout.engines._weights import LoraMerger, fingerprint_state_dict, load_weights_in_place
+from agentrl.types import GenerationOutput, SamplingParams
+
+__all__ = ["EmbeddedEngine", "StreamEvent", "build_embedded_engine", "fingerprint_state_dict"]
+
+logger = logging.getLogger(__name__)
+MAX_TOP_LOGPROBS = 20
+
+
+def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (configured, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(v) for v in value)
+    return ids
+
+
+class EmbeddedEngine:
+    """Serves one transformers model to concurrent async callers with continuous batching."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, max_num_seqs: int = 64,
+                 max_model_len: int | None = None) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.policy_version = 0
+        self._device = next(model.parameters()).device
+        self._detok = Detokenizer(tokenizer, _eos_token_ids(model, tokenizer))
+        self._lora = LoraMerger()
+        self._step_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._waiting: deque[tuple[Request, list[Sequence]]] = deque()
+        self._rows: list[Sequence] = []
+        self._batch: PaddedBatch | None = None
+        self._asleep = False
+        self._closed = False
+        self._tokens_generated = 0
+        self._sequences_finished = 0
+        self._recent: deque[tuple[float, int]] = deque()
+        self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
+        self._thread.start()
+
+    # ----- generation -------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
+                       top_logprobs: int = 0) -> list[GenerationOutput]:
+        """`params.n` completions of `prompt_ids` (token ids, raw logprobs, text, finish reason)."""
+        outputs: list[GenerationOutput | None] = [None] * params.n
+        async for event in self._events(prompt_ids, params, top_logprobs, stream=False):
+            outputs[event.index] = event.output
+        return outputs  # type: ignore[return-value]
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
+                     top_logprobs: int = 0) -> AsyncIterator[StreamEvent]:
+        """Like `generate`, but yields each completion's new tokens after every decode step."""
+        async for event in self._events(prompt_ids, params, top_logprobs, stream=True):
+            yield event
+
+    async def _events(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int,
+                      stream: bool) -> AsyncIterator[StreamEvent]:
+        request = self._submit(prompt_ids, params, top_logprobs, stream)
+        remaining = params.n
+        try:
+            while remaining:
+                batch = await request.queue.get()
+                if isinstance(batch, BaseException):
+                    raise batch
+                for event in batch:
+                    remaining -= event.finish_reason is not None
+                    yield event
+        finally:
+            if remaining:
+                request.cancelled = True
+
+    def _submit(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int, stream: bool) -> Request:
+        """Validate (ValueError names the problem; the server turns it into a 400) and enqueue."""
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
+                             f"(prompt plus at least one generated token must fit)")
+        bad = [t for t in prompt_ids if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n={params.n} is above the engine's max_num_seqs={self.max_num_seqs}")
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs={top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
+        max_new = min(params.max_tokens, self.max_model_len - len(prompt_ids))
+        request = Request(prompt_ids=[int(t) for t in prompt_ids], params=params, top_logprobs=top_logprobs,
+                          max_new_tokens=max_new, loop=asyncio.get_running_loop(), queue=asyncio.Queue(),
+                          stream=stream)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            self._waiting.append((request, build_sequences(request, self._device)))
+            self._cond.notify()
+        return request
+
+    # ----- scheduler thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._rows and (self._asleep or not self._waiting):
+                    self._cond.wait()
+                if self._closed:
+                    break
+            try:
+                with self._step_lock:
+                    self._step()
+            except Exception as error:  # a failed step costs its requests, not the engine
+                logger.exception("embedded engine step failed")
+                self._fail_running(error)
+        self._fail_running(RuntimeError("engine closed"))
+
+    def _admit(self) -> list[tuple[Request, list[Sequence]]]:
+        admitted: list[tuple[Request, list[Sequence]]] = []
+        with self._cond:
+            free = self.max_num_seqs - len(self._rows)
+            while self._waiting and not self._asleep:
+                request, seqs = self._waiting[0]
+                if request.cancelled:
+                    self._waiting.popleft()
+                    continue
+                if len(seqs) > free:
+                    break
+                admitted.append(self._waiting.popleft())
+                free -= len(seqs)
+        return admitted
+
+    def _step(self) -> None:
+        admitted = self._admit()
+        if self._rows:
+            logits = decode(self.model, self._batch, [seq.pending for seq in self._rows])
+            self._append(self._rows, logits)
+        if admitted:
+            batch, logits = prefill(self.model, [request.prompt_ids for request, _ in admitted])
+            expand = [i for i, (_, seqs) in enumerate(admitted) for _ in seqs]
+            if len(expand) != len(admitted):
+                batch = select_rows(batch, expand)
+                logits = logits[torch.tensor(expand, device=logits.device)]
+            new_rows = [seq for _, seqs in admitted for seq in seqs]
+            self._append(new_rows, logits)
+            self._batch = merge(self._batch, batch)
+            self._rows = self._rows + new_rows
+        self._retire()
+
+    def _append(self, rows: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token per row, record it, check stops, and deliver events."""
+        settings = [RowSampling(temperature=s.request.params.temperature, top_p=s.request.params.top_p,
+                                top_k=s.request.params.top_k, generator=s.generator,
+                                top_logprobs=s.request.top_logprobs) for s in rows]
+        step = select_tokens(logits, settings)
+        events: dict[int, tuple[Request, list[StreamEvent]]] = {}
+        for i, seq in enumerate(rows):
+            seq.token_ids.append(step.token_ids[i])
+            seq.logprobs.append(step.logprobs[i])
+            if step.top_logprobs[i] is not None:
+                seq.top_logprobs.append(step.top_logprobs[i])
+            at_limit = len(seq.request.prompt_ids) + len(seq.token_ids) >= self.max_model_len
+            self._detok.check_finished(seq, at_limit)
+            if seq.finish_reason or seq.request.stream:
+                events.setdefault(id(seq.request), (seq.request, []))[1].append(self._detok.take_event(seq))
+        for request, request_events in events.values():
+            self._deliver(request, request_events)
+        now = time.monotonic()
+        self._tokens_generated += len(rows)
+        self._recent.append((now, len(rows)))
+        while self._recent and self._recent[0][0] < now - 10.0:
+            self._recent.popleft()
+
+    def _retire(self) -> None:
+        keep = [i for i, s in enumerate(self._rows) if s.finish_reason is None and not s.request.cancelled]
+        self._sequences_finished += sum(s.finish_reason is not None for s in self._rows)
+        if len(keep) != len(self._rows):
+            self._batch = select_rows(self._batch, keep) if keep else None
+            self._rows = [self._rows[i] for i in keep]
+
+    @staticmethod
+    def _deliver(request: Request, payload: list[StreamEvent] | BaseException) -> None:
+        try:
+            request.loop.call_soon_threadsafe(request.queue.put_nowait, payload)
+        except RuntimeError:  # the caller's event loop is gone; nobody is waiting
+            request.cancelled = True
+
+    def _fail_running(self, error: BaseException) -> None:
+        failed = {id(s.request): s.request for s in self._rows}
+        with self._cond:
+            if self._closed:
+                failed.update({id(r): r for r, _ in self._waiting})
+                self._waiting.clear()
+        for request in failed.values():
+            self._deliver(request, error)
+        self._rows, self._batch = [], None
+
+    # ----- weights, adapters, memory ----------------------------------------------------------
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
+        """Load full weights in place between two decode steps; returns the new policy version."""
+        with self._step_lock:
+            load_weights_in_place(self.model, state_dict)
+            self._lora.forget_base()
+            self.policy_version += 1
+            return self.policy_version
+
+    def load_lora_adapter(self, name: str, path: str) -> int:
+        """Merge the peft adapter folder `path` into the served weights (replacing any earlier adapter).
+
+        Merged, not served through peft: decoding stays as fast as the base model, and one adapter
+        is active at a time (what RL needs: the latest adapter). Returns the new policy version.
+        """
+        with self._step_lock:
+            self._lora.merge(self.model, name, path)
+            self.policy_version += 1
+            return self.policy_version
+
+    @property
+    def lora_adapter(self) -> str | None:
+        """Name of the merged adapter, if any."""
+        return self._lora.active
+
+    def weights_fingerprint(self) -> str:
+        """`fingerprint_state_dict` of the served weights; equals the trainer's for the same weights."""
+        with self._step_lock:
+            return fingerprint_state_dict(self.model.state_dict())
+
+    def sleep(self) -> None:
+        """Free generation memory (KV cache; on CUDA also move weights to CPU). Needs no running rows."""
+        with self._step_lock:
+            if self._rows:
+                raise RuntimeError(f"cannot sleep: {len(self._rows)} sequences are running")
+            with self._cond:
+                self._asleep = True
+            self._batch = None
+            if self._device.type == "cuda":
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Undo `sleep`; requests that arrived meanwhile start now."""
+        with self._step_lock:
+            if self._device.type == "cuda":
+                self.model.to(self._device)
+            with self._cond:
+                self._asleep = False
+                self._cond.notify()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._asleep
+
+    def stats(self) -> dict[str, Any]:
+        """Running/waiting sequences, tokens generated, recent throughput (tokens/s over 10 s)."""
+        with self._cond:
+            waiting = sum(len(seqs) for _, seqs in self._waiting)
+        recent = list(self._recent)
+        span = (recent[-1][0] - recent[0][0]) if len(recent) > 1 else 0.0
+        throughput = sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
+        batch = self._batch
+        return {"running": len(self._rows), "waiting": waiting, "tokens_generated": self._tokens_generated,
+                "sequences_finished": self._sequences_finished, "throughput_tokens_per_s": round(throughput, 2),
+                "kv_slots": batch.slots if batch is not None else 0, "sleeping": self._asleep,
+                "policy_version": self.policy_version, "lora_adapter": self._lora.active,
+                "max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len}
+
+    def close(self) -> None:
+        """Stop the scheduler thread; waiting and running requests fail with RuntimeError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+
+def build_embedded_engine(model_path: str, *, dtype: str = "float32", device: str = "cpu",
+                          max_num_seqs: int = 64, max_model_len: int | None = None) -> EmbeddedEngine:
+    """Load model and tokenizer (HF id, folder or `tiny:` preset) and wrap them in an engine."""
+    from agentrl.models import load_causal_lm, load_tokenizer
+
+    model = load_causal_lm(model_path, dtype=dtype, device=device)
+    return EmbeddedEngine(model, load_tokenizer(model_path), max_num_seqs=max_num_seqs,
+                          max_model_len=max_model_len)
