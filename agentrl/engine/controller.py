@@ -1,0 +1,290 @@
+"""The controller: builds workers and the rollout stack, then runs the training loop, top to bottom.
+
+    tasks    = next batch                      episodes = collect + evaluate (rollout/, evaluator.py)
+    episodes = compact filter, reject          batch    = assemble (exact rollout tokens)
+    batch   += old / ref log-probs, values     batch   += advantages
+    critic.update, actor.update, sync weights  log, maybe validate, maybe checkpoint
+
+Setup (workers, servers, tracker, resume) happens before step one; `close` stops everything it started.
+The loop never names a device or a rank: workers live behind `WorkerGroup`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrl.algorithms.filters import build_masked_reasons, compact_filter_keep, rejection_keep_groups
+from agentrl.algorithms.kl import apply_kl_penalty_to_rewards
+from agentrl.checkpoint import load_trainer_state, resolve_resume_checkpoint, restore_rng_state, save_checkpoint
+from agentrl.data import RLDataLoader
+from agentrl.engine.assembly import TrainBatch, episodes_to_rows, rows_to_batch
+from agentrl.engine.batch_advantages import compute_batch_advantages
+from agentrl.engine.critic_worker import CriticWorker
+from agentrl.engine.metrics import (compute_batch_metrics, compute_episode_metrics, compute_validation_metrics,
+                                    group_ids_of)
+from agentrl.engine.policy_worker import PolicyWorker
+from agentrl.engine.worker_group import build_worker_group
+from agentrl.evaluator import Evaluator, score_episode
+from agentrl.flow import AgentFlow
+from agentrl.rollout.collector import CollectorLimits, RolloutCollector
+from agentrl.rollout.stack import build_rollout_stack
+from agentrl.tracking import build_tracker, progress_bar
+from agentrl.types import Episode, Task, TerminationReason
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def _timer(timing: dict[str, float], name: str):
+    start = time.perf_counter()
+    yield
+    timing[f"timing/{name}"] = time.perf_counter() - start
+
+
+def rows_to_tasks(rows: Sequence[dict], prefix: str) -> list[Task]:
+    """Tasks with stable ids (`extra_info.index` when present, else the row position)."""
+    tasks = []
+    for i, row in enumerate(rows):
+        index = (row.get("extra_info") or {}).get("index", i)
+        tasks.append(Task(id=f"{prefix}-{index}", data=row))
+    return tasks
+
+
+class Controller:
+    """Runs RL training of `flow` scored by `evaluator` on the configured workers and engines."""
+
+    def __init__(self, config: Any, flow: AgentFlow, evaluator: Evaluator, train_rows: Sequence[dict],
+                 val_rows: Sequence[dict] | None) -> None:
+        self.config = config
+        self.flow = flow
+        self.evaluator = evaluator
+        self.run_dir = Path(config.trainer.default_local_dir)
+        self.loader = RLDataLoader(list(train_rows), batch_size=config.data.train_batch_size,
+                                   shuffle=config.data.shuffle, seed=config.data.seed)
+        self.val_tasks = rows_to_tasks(val_rows or [], "val")
+        total = config.trainer.total_training_steps or config.trainer.total_epochs * len(self.loader)
+        self.total_steps = int(total)
+        self.global_step = 0
+        self._task_iter = None
+        self.policy = None
+        self.critic = None
+        self.stack = None
+        self.tracker = None
+
+    # ---- setup ------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        device = cfg.trainer.device if cfg.trainer.device != "auto" else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+        torch.manual_seed(cfg.trainer.seed)
+        self.policy = build_worker_group(cfg.trainer.backend, PolicyWorker, config=cfg,
+                                         total_steps=self.total_steps, device=device)
+        if cfg.algorithm.adv_estimator == "gae":
+            self.critic = build_worker_group(cfg.trainer.backend, CriticWorker, config=cfg,
+                                             total_steps=self.total_steps, device=device)
+        resume_from = resolve_resume_checkpoint(cfg.trainer.resume_mode, self.run_dir / "checkpoints",
+                                                cfg.trainer.resume_from_path)
+        if resume_from is not None:
+            self._load_checkpoint(resume_from)
+        elif cfg.sft.enable:
+            from agentrl.engine.sft import run_sft
+
+            sft_metrics = self.policy.call_first("warm_start", cfg.sft, list(self.loader.rows))
+            log.info("warm start: %s", sft_metrics)
+        urls = self.policy.call("start_rollout")
+        self.stack = build_rollout_stack(urls, cfg, self.policy.call_first("tokenizer_pad_id"))
+        arr = cfg.actor_rollout_ref
+        self.collector = RolloutCollector(
+            self.stack.backend, self.stack.model_name,
+            CollectorLimits(max_steps=cfg.agent.max_steps, n_parallel_tasks=cfg.agent.n_parallel_tasks,
+                            retry_limit=cfg.agent.retry_limit, timeout=cfg.agent.timeout,
+                            max_prompt_length=cfg.data.max_prompt_length))
+        self.n = arr.rollout.n
+        self.tracker = build_tracker(cfg.trainer.logger, run_dir=self.run_dir, project_name=cfg.trainer.project_name,
+                                     experiment_name=cfg.trainer.experiment_name, config=cfg.model_dump())
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def train(self) -> dict[str, float]:
+        """Train until `total_steps`; returns the last step's metrics (with the final validation)."""
+        cfg = self.config.trainer
+        metrics: dict[str, float] = {}
+        if cfg.val_before_train and self.global_step == 0 and self.val_tasks:
+            self.tracker.log(self.validate(), step=0)
+        bar = progress_bar("train", self.total_steps)
+        bar.update(self.global_step)
+        for step in range(self.global_step + 1, self.total_steps + 1):
+            timing: dict[str, float] = {}
+            with _timer(timing, "step"):
+                with _timer(timing, "gen"):
+                    episodes, kept = self.collect_training_episodes()
+                metrics = {"training/global_step": step, "training/epoch": self.loader.epoch,
+                           **compute_episode_metrics(episodes)}
+                batch = self.assemble(kept, metrics)
+                if batch is not None:
+                    metrics.update(self.update(batch, timing))
+            self.global_step = step
+            tokens = metrics.get("response_length/mean", 0.0) * metrics.get("batch/rows", 0.0)
+            metrics.update(timing, **{"perf/throughput": tokens / max(timing["timing/step"], 1e-9)})
+            if cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == self.total_steps) and self.val_tasks:
+                metrics.update(self.validate())
+            self.tracker.log(metrics, step=step)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics.get('critic/full-score/mean', 0):.3f}")
+            if cfg.save_freq > 0 and (step % cfg.save_freq == 0 or step == self.total_steps):
+                self.save_checkpoint()
+        bar.close()
+        return metrics
+
+    def update(self, batch: TrainBatch, timing: dict[str, float]) -> dict[str, float]:
+        """Log-probs, values, advantages, critic and actor updates, weight sync; returns their metrics."""
+        cfg = self.config
+        metrics: dict[str, float] = {}
+        self.policy.call("sleep_rollout")
+        with _timer(timing, "old_log_prob"):
+            batch.tensors.update(self.policy.call_first("compute_log_prob", batch))
+        if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+            with _timer(timing, "ref"):
+                batch["ref_log_probs"] = self.policy.call_first("compute_ref_log_prob", batch)
+        if cfg.algorithm.use_kl_in_reward:
+            shaped = apply_kl_penalty_to_rewards(batch.token_rewards, batch["old_log_probs"],
+                                                 batch["ref_log_probs"], batch.response_mask,
+                                                 kl_coef=cfg.algorithm.kl_ctrl.kl_coef,
+                                                 kl_type=cfg.algorithm.kl_penalty)
+            batch.token_rewards = shaped.token_rewards
+            metrics["actor/reward_kl_penalty"] = float(shaped.kl_mean)
+        if self.critic is not None:
+            with _timer(timing, "values"):
+                batch["values"] = self.critic.call_first("compute_values", batch)
+        with _timer(timing, "adv"):
+            stepwise = cfg.agent.stepwise_advantage
+            result = compute_batch_advantages(
+                batch, estimator=cfg.algorithm.adv_estimator, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+                stepwise_mode=stepwise.mode if stepwise.enable else None,
+                normalize_by_steps=stepwise.normalize_by_steps)
+            batch["advantages"], batch["returns"] = result.advantages, result.returns
+        if self.critic is not None:
+            with _timer(timing, "update_critic"):
+                metrics.update(self.critic.call_first("update_critic", batch))
+        with _timer(timing, "update_actor"):
+            metrics.update(self.policy.call_first("update_actor", batch))
+        self.policy.call("wake_rollout")
+        with _timer(timing, "sync_weights"):
+            metrics.update(self.policy.call_first("sync_weights"))
+        metrics.update(compute_batch_metrics(batch))
+        return metrics
+
+    # ---- rollouts ---------------------------------------------------------------------------------
+    def next_tasks(self) -> list[Task]:
+        if self._task_iter is None:
+            self._task_iter = iter(self.loader)
+        try:
+            rows = next(self._task_iter)
+        except StopIteration:
+            self._task_iter = iter(self.loader)
+            rows = next(self._task_iter)
+        return rows_to_tasks(rows, "train")
+
+    def run_episodes(self, tasks: list[Task], n: int, mode: str, desc: str) -> list[Episode]:
+        """Collect `n` rollouts per task and score them; failed rollouts are kept, unscored."""
+        bar = progress_bar(desc, len(tasks) * n)
+        episodes = asyncio.run(self.collector.collect(self.flow, tasks, n, mode=mode,
+                                                      on_episode=lambda _e: bar.update(1)))
+        bar.close()
+        by_id = {t.id: t for t in tasks}
+        for episode in episodes:
+            if episode.termination_reason != TerminationReason.ERROR:
+                score_episode(self.evaluator, by_id[episode.task_id], episode)
+            elif episode.error:
+                log.warning("rollout %s failed: %s", episode.id, episode.error.strip().splitlines()[-1])
+        return episodes
+
+    def collect_training_episodes(self) -> tuple[list[Episode], list[Episode]]:
+        """All episodes of this step, and those kept for training (DAPO-style: refill when short)."""
+        reject = self.config.agent.rejection_sample
+        rounds = reject.multiplier if reject.enable else 1
+        all_episodes: list[Episode] = []
+        kept: list[Episode] = []
+        for _ in range(max(1, rounds)):
+            episodes = self.run_episodes(self.next_tasks(), self.n, "train", "rollout")
+            all_episodes += episodes
+            kept += self.filter_episodes(episodes)
+            if len({e.task_id for e in kept}) >= self.config.data.train_batch_size:
+                break
+        task_ids = list(dict.fromkeys(e.task_id for e in kept))[: self.config.data.train_batch_size]
+        return all_episodes, [e for e in kept if e.task_id in set(task_ids)]
+
+    def filter_episodes(self, episodes: list[Episode]) -> list[Episode]:
+        """Drop failed rollouts and bad scores, then compact filtering, then rejection sampling."""
+        episodes = [e for e in episodes if e.termination_reason != TerminationReason.ERROR
+                    and not e.metrics.get("evaluator_error")]
+        compact = self.config.agent.compact_filtering
+        if compact.enable and episodes:
+            masked = build_masked_reasons(**compact.model_dump(exclude={"enable"}))
+            keep = compact_filter_keep([e.termination_reason for e in episodes], masked)
+            episodes = [e for e, k in zip(episodes, keep, strict=True) if k]
+        if self.config.agent.rejection_sample.enable and episodes:
+            keep = rejection_keep_groups(torch.tensor([e.reward for e in episodes]), group_ids_of(episodes))
+            episodes = [e for e, k in zip(episodes, keep.tolist(), strict=True) if k]
+        return episodes
+
+    def assemble(self, episodes: list[Episode], metrics: dict[str, float]) -> TrainBatch | None:
+        stepwise = self.config.agent.stepwise_advantage
+        merge = not (stepwise.enable and stepwise.mode == "per_step")
+        max_length = self.config.data.max_prompt_length + self.config.data.max_response_length
+        rows, stats = episodes_to_rows(episodes, merge_steps=merge, max_length=max_length * self.config.agent.max_steps)
+        metrics.update({"batch/kept_episodes": float(len(episodes)), "batch/merged_steps": float(stats.merged_steps),
+                        "batch/excluded_steps": float(stats.excluded_steps)})
+        if not rows:
+            log.warning("step %d: no trainable rows (all filtered or failed); skipping the update",
+                        self.global_step + 1)
+            return None
+        return rows_to_batch(rows, pad_token_id=self.stack.pad_token_id)
+
+    def validate(self) -> dict[str, float]:
+        val = self.config.actor_rollout_ref.rollout.val_kwargs
+        episodes = self.run_episodes(self.val_tasks, val.n, "val", "validate")
+        return compute_validation_metrics(episodes)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        def write(folder: Path) -> None:
+            self.policy.call("save", folder)
+            if self.critic is not None:
+                self.critic.call("save", folder)
+
+        return save_checkpoint(self.run_dir / "checkpoints", self.global_step, write,
+                               {"global_step": self.global_step, "dataloader": self.loader.state_dict()},
+                               max_to_keep=self.config.trainer.max_actor_ckpt_to_keep)
+
+    def _load_checkpoint(self, folder: Path) -> None:
+        state = load_trainer_state(folder)
+        self.policy.call("load", folder)
+        if self.critic is not None:
+            self.critic.call("load", folder)
+        self.loader.load_state_dict(state["dataloader"])
+        restore_rng_state(folder)
+        self.global_step = int(state["global_step"])
+        log.info("resumed from %s at step %d", folder, self.global_step)
+
+    def export(self, folder: Path) -> None:
+        self.policy.call_first("export", folder)
+
+    def close(self, failed: bool = False) -> None:
+        """Stop servers and workers and close the tracker; safe to call more than once."""
+        for part in (self.stack, self.policy, self.critic):
+            if part is not None:
+                part.shutdown()
+        self.stack = self.policy = self.critic = None
+        if self.tracker is not None:
+            self.tracker.finish(status="FAILED" if failed else "FINISHED")
+            self.tracker = None

@@ -1,0 +1,204 @@
+"""PolicyWorker: the actor, its optional reference, and the colocated rollout engine on one device.
+
+The hybrid engine: the worker trains the actor and serves the same policy from an embedded engine, syncing
+weights between phases and checking that the served weights are the ones it trained (a fingerprint).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrl.algorithms.kl import compute_kl_penalty
+from agentrl.algorithms.losses import aggregate_loss, compute_policy_loss
+from agentrl.engine.assembly import TrainBatch
+from agentrl.engine.forward import compute_log_probs
+from agentrl.engine.lora import adapters_disabled, apply_lora, is_lora_model, served_state_dict
+from agentrl.engine.optim import build_lr_scheduler, build_optimizer
+from agentrl.engine.packing import split_micro_batches, split_mini_batches
+from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
+
+log = logging.getLogger(__name__)
+
+
+class PolicyWorker:
+    """Owns the actor model, optimizer and schedule, the reference policy, and the rollout server."""
+
+    def __init__(self, config: Any, *, total_steps: int, device: str = "cpu") -> None:
+        arr = config.actor_rollout_ref
+        self.config = config
+        self.device = torch.device(device)
+        self.model_path = resolve_model_path(arr.model.path)
+        self.tokenizer = load_tokenizer(arr.model.tokenizer_path or self.model_path)
+        actor = load_causal_lm(self.model_path, dtype=arr.model.dtype, device=device)
+        if arr.model.enable_gradient_checkpointing:
+            actor.gradient_checkpointing_enable()
+            actor.config.use_cache = False
+        if arr.model.lora_rank > 0:
+            actor = apply_lora(actor, rank=arr.model.lora_rank, alpha=arr.model.lora_alpha,
+                               target_modules=arr.model.target_modules)
+        self.actor = actor
+        needs_ref = arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward
+        self.ref = None
+        if needs_ref and not is_lora_model(actor):
+            self.ref = copy.deepcopy(actor).eval().requires_grad_(False)
+        self.needs_ref = needs_ref
+        self.optimizer = build_optimizer(self.actor.parameters(), arr.actor.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, arr.actor.optim, total_steps)
+        self.generator = torch.Generator().manual_seed(config.trainer.seed)
+        self.rollout = None
+
+    # ---- rollout side -------------------------------------------------------------------------------
+    def start_rollout(self) -> str:
+        """Start the colocated embedded engine and its OpenAI server; returns the server's URL."""
+        from agentrl.rollout.embedded_rollout import start_embedded_rollout
+
+        self.rollout = start_embedded_rollout(self.model_path, self.tokenizer, self.config,
+                                              device=str(self.device))
+        self.sync_weights()
+        return self.rollout.url
+
+    def sync_weights(self) -> dict[str, float]:
+        """Push the actor's weights to the engine and verify the served fingerprint matches."""
+        from agentrl.rollout.engines.embedded import fingerprint_state_dict
+
+        state = served_state_dict(self.actor)
+        version = self.rollout.engine.update_weights(state)
+        expected = fingerprint_state_dict(state)
+        served = self.rollout.engine.weights_fingerprint()
+        if served != expected:
+            raise RuntimeError(f"weight sync failed: the engine serves fingerprint {served}, the trainer "
+                               f"holds {expected}; refusing to generate with stale weights")
+        return {"rollout/policy_version": float(version)}
+
+    def sleep_rollout(self) -> None:
+        if self.rollout is not None and self.config.actor_rollout_ref.rollout.free_cache_engine:
+            self.rollout.engine.sleep()
+
+    def wake_rollout(self) -> None:
+        if self.rollout is not None and self.config.actor_rollout_ref.rollout.free_cache_engine:
+            self.rollout.engine.wake_up()
+
+    # ---- training side ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_log_prob(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+        """Old log-probs (and entropy) of the current actor, for the PPO ratio."""
+        self.actor.eval()
+        log_probs, entropy = self._map_micro_batches(batch, lambda mb: compute_log_probs(
+            self.actor, mb, with_entropy=True))
+        return {"old_log_probs": log_probs, "entropy": entropy}
+
+    @torch.no_grad()
+    def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
+        """Log-probs under the reference policy (the initial weights; for LoRA, adapters off)."""
+        if self.ref is not None:
+            return self._map_micro_batches(batch, lambda mb: compute_log_probs(self.ref, mb))[0]
+        with adapters_disabled(self.actor):
+            return self._map_micro_batches(batch, lambda mb: compute_log_probs(self.actor, mb))[0]
+
+    def update_actor(self, batch: TrainBatch) -> dict[str, float]:
+        """PPO epochs over mini-batches; one optimizer step per mini-batch; one LR step per call."""
+        actor_cfg = self.config.actor_rollout_ref.actor
+        self.actor.train()
+        sums: dict[str, float] = {}
+        count = 0
+        num_minis = max(1, self.config.data.train_batch_size // actor_cfg.ppo_mini_batch_size)
+        for _ in range(actor_cfg.ppo_epochs):
+            for rows in split_mini_batches(len(batch), num_minis, self.generator, actor_cfg.shuffle):
+                self.optimizer.zero_grad(set_to_none=True)
+                micro_batches = split_micro_batches(
+                    batch, rows, micro_batch_size=actor_cfg.ppo_micro_batch_size_per_gpu,
+                    use_dynamic_bsz=actor_cfg.use_dynamic_bsz, max_token_len=actor_cfg.ppo_max_token_len_per_gpu)
+                for micro in micro_batches:
+                    stats = self._actor_loss(micro, weight=len(micro) / len(rows))
+                    for key, value in stats.items():
+                        sums[key] = sums.get(key, 0.0) + value
+                    count += 1
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), actor_cfg.grad_clip)
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:
+                    sums["actor/skipped_steps"] = sums.get("actor/skipped_steps", 0.0) + count
+                    log.warning("actor: non-finite grad norm %s; optimizer step skipped", grad_norm.item())
+                sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm) * len(micro_batches)
+        self.scheduler.step()
+        metrics = {key: value / max(count, 1) for key, value in sums.items()}
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def _actor_loss(self, micro: TrainBatch, weight: float) -> dict[str, float]:
+        cfg = self.config.actor_rollout_ref.actor
+        mask = micro.response_mask.to(self.device)
+        log_probs, entropy = compute_log_probs(self.actor, micro, with_entropy=True)
+        result = compute_policy_loss(
+            log_probs, micro["old_log_probs"].to(self.device), micro["advantages"].to(self.device), mask,
+            clip_ratio_low=cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio,
+            clip_ratio_high=cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio,
+            clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode)
+        entropy_loss = aggregate_loss(entropy, mask, cfg.loss_agg_mode)
+        loss = result.loss - cfg.entropy_coeff * entropy_loss
+        stats = {"actor/pg_loss": result.loss.item(), "actor/pg_clipfrac": float(result.clipfrac),
+                 "actor/pg_clipfrac_lower": float(result.clipfrac_lower), "actor/ppo_kl": float(result.ppo_kl),
+                 "actor/ppo_ratio_mean": float(result.ratio_mean), "actor/entropy": entropy_loss.item()}
+        if cfg.use_kl_loss:
+            kl = compute_kl_penalty(log_probs, micro["ref_log_probs"].to(self.device), cfg.kl_loss_type)
+            kl_loss = aggregate_loss(kl, mask, cfg.loss_agg_mode)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            stats["actor/kl_loss"] = kl_loss.item()
+        (loss * weight).backward()
+        stats["actor/loss"] = loss.item()
+        return stats
+
+    def _map_micro_batches(self, batch: TrainBatch, fn) -> tuple[torch.Tensor, ...]:
+        """Run `fn` over micro-batches of `batch` and stitch the (B, L) outputs back together."""
+        size = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        length = batch.input_ids.shape[1]
+        parts: list[tuple] = []
+        for rows in torch.split(torch.arange(len(batch)), size):
+            outs = fn(batch.select(rows))
+            parts.append(tuple(None if o is None else
+                               torch.nn.functional.pad(o.cpu(), (0, length - o.shape[1])) for o in outs))
+        return tuple(None if parts[0][i] is None else torch.cat([p[i] for p in parts])
+                     for i in range(len(parts[0])))
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+    def save(self, folder: Path) -> None:
+        """Model (or adapter) in HF format plus optimizer and scheduler state."""
+        folder = Path(folder)
+        self.actor.save_pretrained(folder / "actor")
+        self.tokenizer.save_pretrained(folder / "actor")
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                    "generator": self.generator.get_state()}, folder / "actor_optim.pt")
+
+    def load(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        folder = Path(folder) / "actor"
+        if is_lora_model(self.actor):
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.actor, load_file(folder / "adapter_model.safetensors"))
+        else:
+            missing, unexpected = self.actor.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
+            tied = {"lm_head.weight"} if self.actor.config.tie_word_embeddings else set()
+            if set(missing) - tied or unexpected:
+                raise RuntimeError(f"checkpoint {folder} does not fit the actor: missing {missing}, "
+                                   f"unexpected {unexpected}")
+        state = torch.load(folder.parent / "actor_optim.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["generator"])
+
+    def export(self, folder: Path) -> None:
+        from agentrl.checkpoint import export_hf_model
+
+        export_hf_model(self.actor, self.tokenizer, folder)
+
+    def shutdown(self) -> None:
+        if self.rollout is not None:
+            self.rollout.stop()
+            self.rollout = None

@@ -1,0 +1,70 @@
+"""AgentFlow: the user's agent, written as plain async Python against the OpenAI API.
+
+A flow receives a `Task` and a `RolloutContext` whose `client` is a real `openai.AsyncOpenAI` routed to one
+gateway session, so every model call it makes is traced with exact token ids and logprobs. The flow returns
+its final answer as a string, a `Trajectory`, or a whole `Episode`; the collector fills in tokens from traces.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.types import Episode, Task, Trajectory
+
+FlowResult = str | Trajectory | Episode
+
+
+@dataclass
+class RolloutContext:
+    """What one rollout of a flow gets: a client bound to its own gateway session, and its limits."""
+
+    client: Any
+    """`openai.AsyncOpenAI` whose base URL is `{gateway}/sessions/{session_id}/v1`."""
+    model: str
+    """The model name to pass to `client.chat.completions.create(model=...)`."""
+    session_id: str
+    base_url: str
+    max_steps: int
+    """`agent.max_steps`: more model calls than this end the episode as `max_turns_exceeded`."""
+    mode: str = "train"
+    """`train` or `val`: the gateway applies the matching sampling parameters."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class AgentFlow(ABC):
+    """Base class for agents. Subclass it and write `async def run(self, task, ctx)`."""
+
+    name: str = "agent"
+    """Trajectory name used when the flow returns a plain string."""
+
+    @abstractmethod
+    async def run(self, task: Task, ctx: RolloutContext) -> FlowResult:
+        """Run the agent on one task; return the final answer, a Trajectory or an Episode."""
+
+
+class _FunctionFlow(AgentFlow):
+    def __init__(self, fn: Callable[[Task, RolloutContext], Awaitable[FlowResult]], name: str) -> None:
+        self._fn = fn
+        self.name = name
+        self.__doc__ = fn.__doc__
+
+    async def run(self, task: Task, ctx: RolloutContext) -> FlowResult:
+        return await self._fn(task, ctx)
+
+    def __repr__(self) -> str:
+        return f"agent_flow({self._fn.__qualname__})"
+
+
+def agent_flow(fn: Callable[..., Awaitable[FlowResult]] | None = None, *, name: str = "agent") -> Any:
+    """Turn `async def fn(task, ctx)` into an AgentFlow: `@agent_flow` or `@agent_flow(name="solver")`."""
+
+    def wrap(f: Callable[..., Awaitable[FlowResult]]) -> AgentFlow:
+        if not inspect.iscoroutinefunction(f):
+            raise TypeError(f"@agent_flow needs an `async def` function taking (task, ctx); got {f!r}")
+        return _FunctionFlow(f, name)
+
+    return wrap(fn) if fn is not None else wrap

@@ -1,0 +1,191 @@
+"""Collector: runs a flow `n` times per task, concurrently, and turns what happened into Episodes.
+
+Every failure becomes data: an exception is an `error` episode with its traceback, a rollout over
+`agent.timeout` is `timeout`, too many model calls is `max_turns_exceeded`, and so on. Steps get their token
+ids and logprobs from the gateway's traces of the rollout's own session (token in, token out); a step whose
+text disagrees with every trace is counted and excluded, never trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import openai
+
+from agentrl.flow import AgentFlow, RolloutContext
+from agentrl.types import Episode, Step, Task, TerminationReason, Trace, Trajectory
+
+_RETRYABLE = (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError)
+
+
+class SessionBackend(Protocol):
+    """What the collector needs from the gateway: sessions, and the traces recorded under them."""
+
+    def open_session(self, session_id: str, mode: str) -> str:
+        """Register a session and return the OpenAI base URL for it."""
+
+    def session_traces(self, session_id: str) -> list[Trace]:
+        """Traces of the session's model calls, in call order."""
+
+    def close_session(self, session_id: str) -> None:
+        """Forget the session and its traces."""
+
+
+@dataclass(frozen=True)
+class CollectorLimits:
+    """The agent-loop limits (`agent.*`, `data.max_prompt_length`) a rollout runs under."""
+
+    max_steps: int = 8
+    n_parallel_tasks: int = 64
+    retry_limit: int = 1
+    timeout: float = 120.0
+    max_prompt_length: int = 1024
+
+
+class RolloutCollector:
+    """Runs rollouts through a gateway and returns one Episode per (task, sample)."""
+
+    def __init__(self, backend: SessionBackend, model_name: str, limits: CollectorLimits) -> None:
+        self.backend = backend
+        self.model_name = model_name
+        self.limits = limits
+
+    async def collect(self, flow: AgentFlow, tasks: Sequence[Task], n: int, mode: str = "train",
+                      on_episode=None) -> list[Episode]:
+        """`n` rollouts of every task, at most `agent.n_parallel_tasks` at a time; never raises."""
+        gate = asyncio.Semaphore(self.limits.n_parallel_tasks)
+
+        async def one(task: Task, sample: int) -> Episode:
+            async with gate:
+                episode = await self._rollout(flow, task, sample, mode)
+            if on_episode is not None:
+                on_episode(episode)
+            return episode
+
+        return list(await asyncio.gather(*(one(task, i) for task in tasks for i in range(n))))
+
+    async def _rollout(self, flow: AgentFlow, task: Task, sample: int, mode: str) -> Episode:
+        episode = Episode()
+        for attempt in range(self.limits.retry_limit + 1):
+            session_id = f"{task.id}.{sample}.{uuid.uuid4().hex[:8]}"
+            episode = await self._attempt(flow, task, session_id, mode)
+            retryable = episode.metrics.pop("_retryable", 0.0)
+            if not retryable or attempt == self.limits.retry_limit:
+                break
+        episode.id = f"{task.id}:{sample}"
+        episode.metrics["retries"] = float(attempt)
+        return episode
+
+    async def _attempt(self, flow: AgentFlow, task: Task, session_id: str, mode: str) -> Episode:
+        base_url = self.backend.open_session(session_id, mode)
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="agentrl", max_retries=0,
+                                    timeout=self.limits.timeout)
+        ctx = RolloutContext(client=client, model=self.model_name, session_id=session_id,
+                             base_url=base_url, max_steps=self.limits.max_steps, mode=mode)
+        started = time.perf_counter()
+        result, reason, error, retryable = None, None, None, False
+        try:
+            result = await asyncio.wait_for(flow.run(task, ctx), timeout=self.limits.timeout)
+        except asyncio.TimeoutError:
+            reason, error = TerminationReason.TIMEOUT, f"rollout exceeded agent.timeout={self.limits.timeout}s"
+        except openai.BadRequestError as exc:
+            too_long = "length" in str(exc).lower() and "prompt" in str(exc).lower()
+            reason = TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED if too_long else TerminationReason.ERROR
+            error = f"{exc!r}\n{traceback.format_exc()}"
+        except _RETRYABLE as exc:
+            reason, error, retryable = TerminationReason.ERROR, f"{exc!r}\n{traceback.format_exc()}", True
+        except Exception as exc:  # noqa: BLE001 - a failing agent costs one rollout, not the run
+            reason, error = TerminationReason.ERROR, f"{exc!r}\n{traceback.format_exc()}"
+        finally:
+            traces = self.backend.session_traces(session_id)
+            self.backend.close_session(session_id)
+            await client.close()
+        try:
+            episode = build_episode(task, flow.name, result, traces) if reason is None else \
+                build_episode(task, flow.name, None, traces)
+        except TypeError as exc:
+            reason, error = TerminationReason.ERROR, str(exc)
+            episode = build_episode(task, flow.name, None, traces)
+        episode.termination_reason = reason or classify_termination(episode, traces, self.limits)
+        episode.error = error
+        episode.metrics.update(num_model_calls=float(len(traces)), latency_s=time.perf_counter() - started)
+        if retryable:
+            episode.metrics["_retryable"] = 1.0
+        return episode
+
+
+def step_from_trace(trace: Trace) -> Step:
+    """A Step carrying exactly the tokens and logprobs the engine produced for one call."""
+    return Step(prompt_ids=trace.prompt_ids, response_ids=trace.completion_ids, logprobs=trace.logprobs,
+                messages=trace.messages or [], model_response=trace.completion_text,
+                finish_reason=trace.finish_reason,
+                info={"policy_version": trace.policy_version, "request_id": trace.request_id})
+
+
+def build_episode(task: Task, flow_name: str, result, traces: list[Trace]) -> Episode:
+    """Turn what `flow.run` returned into an Episode whose steps carry the traced tokens."""
+    if result is None or isinstance(result, str):
+        steps = [step_from_trace(t) for t in traces]
+        return Episode(task_id=task.id, task=task.data, answer=result,
+                       trajectories=[Trajectory(name=flow_name, steps=steps)])
+    if isinstance(result, Trajectory):
+        episode = Episode(task_id=task.id, task=task.data, trajectories=[result])
+    elif isinstance(result, Episode):
+        episode = result.model_copy(update={"task_id": task.id, "task": task.data})
+    else:
+        raise TypeError(f"flow.run returned {type(result).__name__}; expected str, Trajectory or Episode")
+    mismatches = fill_steps_from_traces(episode.trajectories, traces)
+    episode.metrics["trace_mismatch"] = float(mismatches)
+    if episode.answer is None:
+        last = [s for t in episode.trajectories for s in t.steps]
+        episode.answer = last[-1].model_response if last else None
+    return episode
+
+
+def fill_steps_from_traces(trajectories: list[Trajectory], traces: list[Trace]) -> int:
+    """Give each step the tokens of its trace; returns how many steps matched no trace.
+
+    A step that states its `model_response` is matched to the first unused trace with that completion text;
+    a step without text takes the next unused trace in call order. A trajectory with no steps gets one step
+    per remaining trace. Unmatched steps are marked `info["excluded"] = "trace_mismatch"`.
+    """
+    unused = list(traces)
+    mismatches = 0
+    for trajectory in trajectories:
+        if not trajectory.steps:
+            trajectory.steps = [step_from_trace(t) for t in unused]
+            unused = []
+            continue
+        for i, step in enumerate(trajectory.steps):
+            if step.model_response:
+                match = next((t for t in unused if t.completion_text == step.model_response), None)
+            else:
+                match = unused[0] if unused else None
+            if match is None:
+                step.info["excluded"] = "trace_mismatch"
+                mismatches += 1
+                continue
+            unused.remove(match)
+            filled = step_from_trace(match)
+            trajectory.steps[i] = filled.model_copy(update={"reward": step.reward, "done": step.done,
+                                                            "info": {**step.info, **filled.info}})
+    return mismatches
+
+
+def classify_termination(episode: Episode, traces: list[Trace], limits: CollectorLimits) -> TerminationReason:
+    """Why a rollout that returned normally ended, from its traces and the agent limits."""
+    if episode.termination_reason != TerminationReason.UNKNOWN:
+        return episode.termination_reason
+    if len(traces) > limits.max_steps:
+        return TerminationReason.MAX_TURNS_EXCEEDED
+    if any(len(t.prompt_ids) > limits.max_prompt_length for t in traces):
+        return TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED
+    if traces and traces[-1].finish_reason == "length":
+        return TerminationReason.MAX_RESPONSE_LENGTH_EXCEEDED
+    return TerminationReason.ENV_DONE
