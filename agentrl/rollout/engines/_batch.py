@@ -56,15 +56,23 @@ def prefill(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[PaddedBat
     input_ids = torch.zeros(len(prompts), slots, dtype=torch.long)
     mask = torch.zeros(len(prompts), slots, dtype=torch.long)
     for i, prompt in enumerate(prompts):
-        input_ids[i, slots - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        mask[i, slots - len(prompt):] = 1
+        input_ids[i, slots - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[i, slots - len(prompt) :] = 1
     input_ids, mask = input_ids.to(device), mask.to(device)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     positions = mask.sum(-1)
-    return PaddedBatch(cache=out.past_key_values, attention_mask=mask, positions=positions), out.logits[:, -1, :]
+    return PaddedBatch(cache=out.past_key_values, attention_mask=mask, positions=positions), out.logits[
+        :, -1, :
+    ]
 
 
 @torch.inference_mode()
@@ -72,9 +80,16 @@ def decode(model: torch.nn.Module, batch: PaddedBatch, token_ids: list[int]) -> 
     """Feed one token per row (the last sampled one), grow the cache by one slot; return logits (B, V)."""
     device = batch.attention_mask.device
     input_ids = torch.tensor(token_ids, dtype=torch.long, device=device).unsqueeze(1)
-    batch.attention_mask = torch.cat([batch.attention_mask, batch.attention_mask.new_ones(batch.size, 1)], dim=1)
-    out = model(input_ids=input_ids, attention_mask=batch.attention_mask, position_ids=batch.positions.unsqueeze(1),
-                past_key_values=batch.cache, use_cache=True)
+    batch.attention_mask = torch.cat(
+        [batch.attention_mask, batch.attention_mask.new_ones(batch.size, 1)], dim=1
+    )
+    out = model(
+        input_ids=input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.positions.unsqueeze(1),
+        past_key_values=batch.cache,
+        use_cache=True,
+    )
     batch.cache = out.past_key_values
     batch.positions = batch.positions + 1
     return out.logits[:, -1, :]
@@ -86,11 +101,18 @@ def merge(first: PaddedBatch | None, second: PaddedBatch) -> PaddedBatch:
         return second
     slots = max(first.slots, second.slots)
     for layer_a, layer_b in zip(first.cache.layers, second.cache.layers, strict=True):
-        layer_a.keys = torch.cat([_left_pad_kv(layer_a.keys, slots), _left_pad_kv(layer_b.keys, slots)], dim=0)
-        layer_a.values = torch.cat([_left_pad_kv(layer_a.values, slots), _left_pad_kv(layer_b.values, slots)],
-                                   dim=0)
-    mask = torch.cat([_left_pad_mask(first.attention_mask, slots), _left_pad_mask(second.attention_mask, slots)])
-    return PaddedBatch(cache=first.cache, attention_mask=mask, positions=torch.cat([first.positions, second.positions]))
+        layer_a.keys = torch.cat(
+            [_left_pad_kv(layer_a.keys, slots), _left_pad_kv(layer_b.keys, slots)], dim=0
+        )
+        layer_a.values = torch.cat(
+            [_left_pad_kv(layer_a.values, slots), _left_pad_kv(layer_b.values, slots)], dim=0
+        )
+    mask = torch.cat(
+        [_left_pad_mask(first.attention_mask, slots), _left_pad_mask(second.attention_mask, slots)]
+    )
+    return PaddedBatch(
+        cache=first.cache, attention_mask=mask, positions=torch.cat([first.positions, second.positions])
+    )
 
 
 def select_rows(batch: PaddedBatch, rows: list[int]) -> PaddedBatch | None:
@@ -103,4 +125,6 @@ def select_rows(batch: PaddedBatch, rows: list[int]) -> PaddedBatch | None:
     for layer in batch.cache.layers:
         layer.keys = layer.keys.index_select(0, index)[..., unused:, :]
         layer.values = layer.values.index_select(0, index)[..., unused:, :]
-    return PaddedBatch(cache=batch.cache, attention_mask=mask[:, unused:], positions=batch.positions.index_select(0, index))
+    return PaddedBatch(
+        cache=batch.cache, attention_mask=mask[:, unused:], positions=batch.positions.index_select(0, index)
+    )

@@ -16,12 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agentrl.rollout.chat import decode_completion, find_hidden_token_ids
 from agentrl.types import GenerationOutput, SamplingParams
-
-# Special tokens whose text is part of what a model says (tool calls, thinking), so they stay in
-# decoded text even though the tiny tokenizers mark them special.
-VISIBLE_SPECIAL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-                          "<think>", "</think>")
 
 
 @dataclass
@@ -90,12 +86,10 @@ class Detokenizer:
     def __init__(self, tokenizer, eos_token_ids: set[int]) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        visible = {tokenizer.convert_tokens_to_ids(t) for t in VISIBLE_SPECIAL_TOKENS
-                   if t in tokenizer.get_vocab()}
-        self.hidden_ids = set(tokenizer.all_special_ids) - visible
+        self.hidden_ids = find_hidden_token_ids(tokenizer)
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode([t for t in token_ids if t not in self.hidden_ids], skip_special_tokens=False)
+        return decode_completion(self.tokenizer, token_ids, self.hidden_ids)
 
     def check_finished(self, seq: Sequence, max_model_len_reached: bool) -> None:
         """Set `seq.finish_reason` (and where a stop string starts) after a token was appended."""
@@ -121,14 +115,24 @@ class Detokenizer:
         text = self.decode(seq.token_ids)
         if seq.stop_text_end is not None:
             text = text[: seq.stop_text_end]
-        return GenerationOutput(token_ids=list(seq.token_ids), logprobs=list(seq.logprobs),
-                                finish_reason=seq.finish_reason or "abort", text=text,
-                                top_logprobs=list(seq.top_logprobs) if seq.request.top_logprobs else None)
+        return GenerationOutput(
+            token_ids=list(seq.token_ids),
+            logprobs=list(seq.logprobs),
+            finish_reason=seq.finish_reason or "abort",
+            text=text,
+            top_logprobs=list(seq.top_logprobs) if seq.request.top_logprobs else None,
+        )
 
     def take_event(self, seq: Sequence) -> StreamEvent:
         """The tokens not yet sent to the request's queue (and the final output if finished)."""
         start, seq.sent = seq.sent, len(seq.token_ids)
         tops = seq.top_logprobs[start:] if seq.request.top_logprobs else None
         output = self.build_output(seq) if seq.finish_reason else None
-        return StreamEvent(index=seq.index, token_ids=seq.token_ids[start:], logprobs=seq.logprobs[start:],
-                           top_logprobs=tops, finish_reason=seq.finish_reason, output=output)
+        return StreamEvent(
+            index=seq.index,
+            token_ids=seq.token_ids[start:],
+            logprobs=seq.logprobs[start:],
+            top_logprobs=tops,
+            finish_reason=seq.finish_reason,
+            output=output,
+        )

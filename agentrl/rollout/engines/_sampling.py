@@ -41,8 +41,9 @@ class StepResult:
     top_logprobs: list[dict[int, float] | None]
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                  top_k: torch.Tensor) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+) -> torch.Tensor:
     """Temperature, then top-k, then top-p (nucleus) filtering, per row.
 
     logits (B, V) float; temperature (B,) > 0; top_p (B,) in (0, 1]; top_k (B,) long, <= 0 = off.

@@ -45,11 +45,15 @@ def load_weights_in_place(model: torch.nn.Module, state_dict: Mapping[str, torch
     own = model.state_dict()
     unknown = sorted(k for k in state_dict if k not in own)
     if unknown:
-        raise ValueError(f"update_weights: unknown parameter names {unknown[:5]} (model has e.g. {list(own)[:3]})")
+        raise ValueError(
+            f"update_weights: unknown parameter names {unknown[:5]} (model has e.g. {list(own)[:3]})"
+        )
     for name, value in state_dict.items():
         if tuple(value.shape) != tuple(own[name].shape):
-            raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, "
-                             f"model expects {tuple(own[name].shape)}")
+            raise ValueError(
+                f"update_weights: {name} has shape {tuple(value.shape)}, "
+                f"model expects {tuple(own[name].shape)}"
+            )
     for name, value in state_dict.items():
         own[name].copy_(value)
 
@@ -63,7 +67,9 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
         return load_file(str(source))
     files = sorted(source.glob("*.safetensors")) if source.is_dir() else []
     if not files:
-        raise ValueError(f"update_weights: {path!r} is neither a .safetensors file nor a folder containing one")
+        raise ValueError(
+            f"update_weights: {path!r} is neither a .safetensors file nor a folder containing one"
+        )
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))

@@ -56,8 +56,14 @@ def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
 class EmbeddedEngine:
     """Serves one transformers model to concurrent async callers with continuous batching."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, max_num_seqs: int = 64,
-                 max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        *,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+    ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
@@ -81,24 +87,27 @@ class EmbeddedEngine:
         self._thread.start()
 
     # ----- generation -------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, *,
-                       top_logprobs: int = 0) -> list[GenerationOutput]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, top_logprobs: int = 0
+    ) -> list[GenerationOutput]:
         """`params.n` completions of `prompt_ids` (token ids, raw logprobs, text, finish reason)."""
         outputs: list[GenerationOutput | None] = [None] * params.n
-        async for event in self._events(prompt_ids, params, top_logprobs, stream=False):
+        async for event in self._drain(self._submit(prompt_ids, params, top_logprobs, stream=False)):
             outputs[event.index] = event.output
         return outputs  # type: ignore[return-value]
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams, *,
-                     top_logprobs: int = 0) -> AsyncIterator[StreamEvent]:
-        """Like `generate`, but yields each completion's new tokens after every decode step."""
-        async for event in self._events(prompt_ids, params, top_logprobs, stream=True):
-            yield event
+    def stream(
+        self, prompt_ids: list[int], params: SamplingParams, *, top_logprobs: int = 0
+    ) -> AsyncIterator[StreamEvent]:
+        """Like `generate`, but yields each completion's new tokens after every decode step.
 
-    async def _events(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int,
-                      stream: bool) -> AsyncIterator[StreamEvent]:
-        request = self._submit(prompt_ids, params, top_logprobs, stream)
-        remaining = params.n
+        Validates and enqueues at once (ValueError before any event), so a server can answer 400
+        before it starts streaming. Call it from inside the running event loop.
+        """
+        return self._drain(self._submit(prompt_ids, params, top_logprobs, stream=True))
+
+    async def _drain(self, request: Request) -> AsyncIterator[StreamEvent]:
+        remaining = request.params.n
         try:
             while remaining:
                 batch = await request.queue.get()
@@ -111,13 +120,17 @@ class EmbeddedEngine:
             if remaining:
                 request.cancelled = True
 
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int, stream: bool) -> Request:
+    def _submit(
+        self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int, stream: bool
+    ) -> Request:
         """Validate (ValueError names the problem; the server turns it into a 400) and enqueue."""
         if not prompt_ids:
             raise ValueError("prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
-                             f"(prompt plus at least one generated token must fit)")
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
+                f"(prompt plus at least one generated token must fit)"
+            )
         bad = [t for t in prompt_ids if not 0 <= int(t) < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
@@ -126,9 +139,15 @@ class EmbeddedEngine:
         if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs={top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
         max_new = min(params.max_tokens, self.max_model_len - len(prompt_ids))
-        request = Request(prompt_ids=[int(t) for t in prompt_ids], params=params, top_logprobs=top_logprobs,
-                          max_new_tokens=max_new, loop=asyncio.get_running_loop(), queue=asyncio.Queue(),
-                          stream=stream)
+        request = Request(
+            prompt_ids=[int(t) for t in prompt_ids],
+            params=params,
+            top_logprobs=top_logprobs,
+            max_new_tokens=max_new,
+            loop=asyncio.get_running_loop(),
+            queue=asyncio.Queue(),
+            stream=stream,
+        )
         with self._cond:
             if self._closed:
                 raise RuntimeError("engine is closed")
@@ -186,9 +205,16 @@ class EmbeddedEngine:
 
     def _append(self, rows: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per row, record it, check stops, and deliver events."""
-        settings = [RowSampling(temperature=s.request.params.temperature, top_p=s.request.params.top_p,
-                                top_k=s.request.params.top_k, generator=s.generator,
-                                top_logprobs=s.request.top_logprobs) for s in rows]
+        settings = [
+            RowSampling(
+                temperature=s.request.params.temperature,
+                top_p=s.request.params.top_p,
+                top_k=s.request.params.top_k,
+                generator=s.generator,
+                top_logprobs=s.request.top_logprobs,
+            )
+            for s in rows
+        ]
         step = select_tokens(logits, settings)
         events: dict[int, tuple[Request, list[StreamEvent]]] = {}
         for i, seq in enumerate(rows):
@@ -231,6 +257,10 @@ class EmbeddedEngine:
         for request in failed.values():
             self._deliver(request, error)
         self._rows, self._batch = [], None
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Completion text of `token_ids` as `generate` reports it (control tokens dropped)."""
+        return self._detok.decode(token_ids)
 
     # ----- weights, adapters, memory ----------------------------------------------------------
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
@@ -295,11 +325,19 @@ class EmbeddedEngine:
         span = (recent[-1][0] - recent[0][0]) if len(recent) > 1 else 0.0
         throughput = sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
         batch = self._batch
-        return {"running": len(self._rows), "waiting": waiting, "tokens_generated": self._tokens_generated,
-                "sequences_finished": self._sequences_finished, "throughput_tokens_per_s": round(throughput, 2),
-                "kv_slots": batch.slots if batch is not None else 0, "sleeping": self._asleep,
-                "policy_version": self.policy_version, "lora_adapter": self._lora.active,
-                "max_num_seqs": self.max_num_seqs, "max_model_len": self.max_model_len}
+        return {
+            "running": len(self._rows),
+            "waiting": waiting,
+            "tokens_generated": self._tokens_generated,
+            "sequences_finished": self._sequences_finished,
+            "throughput_tokens_per_s": round(throughput, 2),
+            "kv_slots": batch.slots if batch is not None else 0,
+            "sleeping": self._asleep,
+            "policy_version": self.policy_version,
+            "lora_adapter": self._lora.active,
+            "max_num_seqs": self.max_num_seqs,
+            "max_model_len": self.max_model_len,
+        }
 
     def close(self) -> None:
         """Stop the scheduler thread; waiting and running requests fail with RuntimeError."""
@@ -309,11 +347,18 @@ class EmbeddedEngine:
         self._thread.join(timeout=30)
 
 
-def build_embedded_engine(model_path: str, *, dtype: str = "float32", device: str = "cpu",
-                          max_num_seqs: int = 64, max_model_len: int | None = None) -> EmbeddedEngine:
+def build_embedded_engine(
+    model_path: str,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    max_num_seqs: int = 64,
+    max_model_len: int | None = None,
+) -> EmbeddedEngine:
     """Load model and tokenizer (HF id, folder or `tiny:` preset) and wrap them in an engine."""
     from agentrl.models import load_causal_lm, load_tokenizer
 
     model = load_causal_lm(model_path, dtype=dtype, device=device)
-    return EmbeddedEngine(model, load_tokenizer(model_path), max_num_seqs=max_num_seqs,
-                          max_model_len=max_model_len)
+    return EmbeddedEngine(
+        model, load_tokenizer(model_path), max_num_seqs=max_num_seqs, max_model_len=max_model_len
+    )

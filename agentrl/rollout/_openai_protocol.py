@@ -1,0 +1,204 @@
+"""Request models and response pieces of the OpenAI API as the embedded server speaks it.
+
+Requests are validated by pydantic, so a wrong type becomes a 400 naming the field. Unknown fields
+are ignored (agent frameworks send many: `user`, `parallel_tool_calls`, `frequency_penalty`, ...).
+Token ids travel in the fields vLLM 0.32 uses, so one client reads both servers: with
+`return_token_ids: true`, a chat response has top-level `prompt_token_ids` and `choices[i].token_ids`;
+a completion response has `prompt_token_ids` and `token_ids` on every choice.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.types import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionCallIn(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionSpec(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolSpec(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Lenient):
+    """Fields shared by chat and completions requests."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
+            max_tokens=max_tokens,
+            stop=[s for s in stop if s],
+            stop_token_ids=list(self.stop_token_ids or []),
+            n=self.n,
+            seed=self.seed,
+        )
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+
+
+def build_error(message: str, param: str | None = None, status: int = 400) -> dict[str, Any]:
+    """OpenAI error body: `{"error": {"message", "type", "param", "code"}}`."""
+    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError"}.get(
+        status, "InternalServerError"
+    )
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class TokenText:
+    """Token id -> its text as OpenAI logprobs show it (`token`, `bytes`), cached per id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
+
+    def entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def build_chat_logprobs(
+    token_text: TokenText, token_ids: list[int], logprobs: list[float], tops: list[dict[int, float]] | None
+) -> dict[str, Any]:
+    """`choices[i].logprobs` of a chat response: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
+    content = []
+    for j, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
+        entry = token_text.entry(token_id, logprob)
+        top = tops[j] if tops else {}
+        entry["top_logprobs"] = [token_text.entry(t, lp) for t, lp in top.items()]
+        content.append(entry)
+    return {"content": content}
+
+
+def build_completion_logprobs(
+    token_text: TokenText,
+    token_ids: list[int],
+    logprobs: list[float],
+    tops: list[dict[int, float]] | None,
+    text_offset: int = 0,
+) -> dict[str, Any]:
+    """Legacy completions logprobs: `{tokens, token_logprobs, top_logprobs, text_offset}`."""
+    tokens = [token_text(t) for t in token_ids]
+    offsets, position = [], text_offset
+    for token in tokens:
+        offsets.append(position)
+        position += len(token)
+    top_list = (
+        [{token_text(t): lp for t, lp in top.items()} for top in tops] if tops else [None] * len(tokens)
+    )
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(logprobs),
+        "top_logprobs": top_list,
+        "text_offset": offsets,
+    }
+
+
+def build_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def format_validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """Pydantic/FastAPI errors -> (message naming each field, first field's dotted path)."""
+    parts, first = [], None
+    for error in errors:
+        loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+        if error.get("type") == "json_invalid":
+            return f"invalid JSON body: {error.get('ctx', {}).get('error', error.get('msg'))}", None
+        path = ".".join(loc) or "body"
+        first = first or path
+        parts.append(f"{path}: {error.get('msg')}")
+    unique = list(dict.fromkeys(parts))
+    return "; ".join(unique[:5]), first

@@ -1,0 +1,202 @@
+"""Server-sent events for `stream: true`, in OpenAI's chunk shape, sent as tokens arrive.
+
+Text is streamed per decode step. Two things are held back until they are safe: a trailing
+incomplete UTF-8 character (a byte-level token can end mid-character) and, when the request has
+stop strings, the last `len(longest stop) - 1` characters (they might be the start of a stop
+string, which must not be shown). With tools in a chat request, the output is buffered and sent at
+the end as content plus tool-call deltas, because a `<tool_call>` block is only parseable whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from agentrl.rollout._openai_protocol import (
+    build_chat_logprobs,
+    build_completion_logprobs,
+    build_error,
+    build_usage,
+    new_id,
+    now,
+)
+from agentrl.rollout.chat import parse_tool_calls
+
+
+def dumps_sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event (`data: ...` and a blank line)."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+class _IncrementalText:
+    """Turns a completion's growing token list into safe-to-send text deltas."""
+
+    def __init__(self, decode: Any, stops: list[str]) -> None:
+        self._decode = decode
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self.token_ids: list[int] = []
+        self.sent = ""
+
+    def push(self, token_ids: list[int], final_text: str | None) -> str:
+        self.token_ids.extend(token_ids)
+        if final_text is not None:
+            text = final_text
+        else:
+            text = self._decode(self.token_ids).rstrip("\ufffd")
+            text = text[: len(text) - self._hold] if self._hold else text
+        if not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+
+async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Events of several engine streams as they come: (stream number, event)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(number: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for event in stream:
+                await queue.put((number, event))
+        except Exception as error:  # delivered to the consumer, which reports it in the stream
+            await queue.put((number, error))
+        finally:
+            await queue.put((number, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            number, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield number, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def stream_chat(
+    server: Any, req: Any, prompt_ids: list[int], events: AsyncIterator[Any], parse_tools: bool, version: int
+) -> AsyncIterator[str]:
+    """SSE body of a streamed chat completion (role chunk, content/tool-call deltas, usage, [DONE])."""
+    head = {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion.chunk",
+        "created": now(),
+        "model": req.model or server.model_name,
+    }
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    texts = [_IncrementalText(server.engine.decode, stops) for _ in range(req.n)]
+    first: dict[str, Any] = {
+        **head,
+        "choices": [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(req.n)
+        ],
+        "policy_version": version,
+    }
+    if req.return_token_ids:
+        first["prompt_token_ids"] = prompt_ids
+    yield dumps_sse(first)
+    completion_tokens = 0
+    try:
+        async for _, event in _merge([events]):
+            completion_tokens += len(event.token_ids)
+            text = texts[event.index]
+            final = event.output.text if event.output is not None else None
+            delta: dict[str, Any] = {}
+            finish = event.finish_reason
+            if parse_tools:
+                text.token_ids.extend(event.token_ids)
+                if final is not None:
+                    parsed = parse_tool_calls(final)
+                    if parsed.content:
+                        delta["content"] = parsed.content
+                    if parsed.tool_calls:
+                        finish = "tool_calls"
+                        delta["tool_calls"] = [
+                            {"index": k, **call} for k, call in enumerate(parsed.tool_calls)
+                        ]
+                    if parsed.error:
+                        delta["tool_call_error"] = parsed.error
+            else:
+                piece = text.push(event.token_ids, final)
+                if piece:
+                    delta["content"] = piece
+            choice: dict[str, Any] = {
+                "index": event.index,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+            if req.logprobs:
+                choice["logprobs"] = build_chat_logprobs(
+                    server.token_text, event.token_ids, event.logprobs, event.top_logprobs
+                )
+            if req.return_token_ids:
+                choice["token_ids"] = event.token_ids
+            if delta or finish or req.return_token_ids or req.logprobs:
+                yield dumps_sse({**head, "choices": [choice]})
+    except Exception as error:  # the stream has started: report in-band, as OpenAI does
+        yield dumps_sse(build_error(f"generation failed: {error}", None, 500))
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield dumps_sse({**head, "choices": [], "usage": build_usage(len(prompt_ids), completion_tokens)})
+    yield dumps_sse("[DONE]")
+
+
+async def stream_completions(
+    server: Any, req: Any, prompts: list[list[int]], streams: list[AsyncIterator[Any]], version: int
+) -> AsyncIterator[str]:
+    """SSE body of a streamed /v1/completions call; choice index = prompt number * n + completion."""
+    head = {
+        "id": new_id("cmpl"),
+        "object": "text_completion",
+        "created": now(),
+        "model": req.model or server.model_name,
+        "policy_version": version,
+    }
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    texts: dict[int, _IncrementalText] = {}
+    sent_prompt: set[int] = set()
+    completion_tokens = 0
+    try:
+        async for number, event in _merge(streams):
+            index = number * req.n + event.index
+            text = texts.setdefault(index, _IncrementalText(server.engine.decode, stops))
+            offset = len(text.sent)
+            piece = text.push(event.token_ids, event.output.text if event.output is not None else None)
+            completion_tokens += len(event.token_ids)
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": piece,
+                "logprobs": None,
+                "finish_reason": event.finish_reason,
+            }
+            if req.logprobs is not None:
+                choice["logprobs"] = build_completion_logprobs(
+                    server.token_text, event.token_ids, event.logprobs, event.top_logprobs, offset
+                )
+            if req.return_token_ids:
+                if index not in sent_prompt:
+                    choice["prompt_token_ids"] = prompts[number]
+                    sent_prompt.add(index)
+                choice["token_ids"] = event.token_ids
+            yield dumps_sse({**head, "choices": [choice]})
+    except Exception as error:
+        yield dumps_sse(build_error(f"generation failed: {error}", None, 500))
+    if req.stream_options is not None and req.stream_options.include_usage:
+        usage = build_usage(sum(len(p) for p in prompts), completion_tokens)
+        yield dumps_sse({**head, "choices": [], "usage": usage})
+    yield dumps_sse("[DONE]")

@@ -1,0 +1,74 @@
+"""Run an ASGI app (server, gateway) with uvicorn in a daemon thread on a free loopback port.
+
+Used by the gateway, the tests and the trainer: the caller keeps its own event loop and threads,
+the server gets its own loop in its own thread. The socket is bound before uvicorn starts
+(port 0 = the OS picks a free port), so the port is known at once and cannot be taken by a
+concurrent test between choosing and binding.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import uvicorn
+
+__all__ = ["ServerHandle", "start_server_in_thread"]
+
+
+class ServerHandle:
+    """A running server: `.url` (http://host:port), `.port`, `.stop()`; also a context manager."""
+
+    def __init__(self, server: uvicorn.Server, thread: threading.Thread, host: str, port: int) -> None:
+        self._server, self._thread = server, thread
+        self.host, self.port = host, port
+        self.url = f"http://{host}:{port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask uvicorn to exit (closing open connections) and wait for its thread."""
+        self._server.should_exit = True
+        self._thread.join(timeout=timeout)
+        if self._thread.is_alive():
+            self._server.force_exit = True
+            self._thread.join(timeout=timeout)
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def start_server_in_thread(
+    app: Any, host: str = "127.0.0.1", port: int = 0, *, health_path: str = "/health", timeout: float = 30.0
+) -> ServerHandle:
+    """Serve `app` from a daemon thread; returns once `GET {health_path}` answers 200.
+
+    Raises RuntimeError if the server thread dies or health does not answer within `timeout`.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound_port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name=f"http-{bound_port}", daemon=True
+    )
+    thread.start()
+    handle = ServerHandle(server, thread, host, bound_port)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not thread.is_alive():
+            raise RuntimeError(f"server thread on {handle.url} exited during start-up")
+        try:
+            if httpx.get(handle.url + health_path, timeout=2.0).status_code == 200:
+                return handle
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    handle.stop()
+    raise RuntimeError(f"server on {handle.url} did not answer {health_path} within {timeout:.0f}s")

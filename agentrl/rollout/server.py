@@ -1,0 +1,322 @@
+"""OpenAI-compatible HTTP server for the embedded engine (FastAPI), token-in/token-out.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, and admin
+routes POST /update_weights, /v1/load_lora_adapter, /sleep, /wake_up, GET /is_sleeping, /metrics.
+Responses carry `policy_version` (the weights version when the request started) and, with
+`return_token_ids: true`, the exact prompt and completion token ids in vLLM 0.32's fields.
+Bad requests get a 400 in OpenAI's error shape naming the field (`param`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+
+from agentrl.rollout._openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    TokenText,
+    build_chat_logprobs,
+    build_completion_logprobs,
+    build_error,
+    build_usage,
+    format_validation_error,
+    new_id,
+    now,
+)
+from agentrl.rollout._sse import stream_chat, stream_completions
+from agentrl.rollout.chat import parse_tool_calls, render_chat
+from agentrl.rollout.engines._weights import read_state_dict
+from agentrl.types import SamplingParams
+
+__all__ = ["build_server_app", "RequestError"]
+
+
+class RequestError(Exception):
+    """A request the server refuses; becomes an OpenAI error body with `param` naming the field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+class UpdateWeightsBody(BaseModel):
+    path: str
+
+
+class LoadLoraBody(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class _Server:
+    """What every route needs: the engine, tokenizer, names and limits."""
+
+    def __init__(self, engine: Any, tokenizer: Any, model_name: str, max_model_len: int, max_n: int) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.max_model_len, self.max_n = max_model_len, max_n
+        self.token_text = TokenText(tokenizer)
+
+    def check_prompt(self, prompt_ids: list[int], param: str) -> None:
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"{param}: the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one completion token must fit)",
+                param,
+            )
+
+    def check_n(self, n: int) -> None:
+        if n > self.max_n:
+            raise RequestError(
+                f"n: {n} is above this server's cap of {self.max_n} completions per request", "n"
+            )
+
+    def max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        return min(requested or self.max_model_len, self.max_model_len - prompt_len)
+
+
+def _render_chat_request(server: _Server, req: ChatCompletionRequest) -> tuple[list[int], bool]:
+    """Prompt ids and whether tool calls should be parsed from the output."""
+    if req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice):
+        shown = req.tool_choice if isinstance(req.tool_choice, str) else "a named function"
+        raise RequestError(
+            f"tool_choice: {shown!r} is not supported by the embedded engine (it has no constrained "
+            "decoding to force a call); use 'auto' (the default with tools) or 'none'",
+            "tool_choice",
+        )
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    messages = [m.model_dump(exclude_none=True) | {"content": m.content} for m in req.messages]
+    try:
+        prompt_ids = render_chat(server.tokenizer, messages, tools=tools)
+    except ValueError as error:
+        raise RequestError(str(error), "messages") from error
+    server.check_prompt(prompt_ids, "messages")
+    return prompt_ids, bool(tools) and req.tool_choice != "none"
+
+
+async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
+    server.check_n(req.n)
+    prompt_ids, parse_tools = _render_chat_request(server, req)
+    params = req.to_sampling_params(
+        server.max_tokens(req.max_completion_tokens or req.max_tokens, len(prompt_ids))
+    )
+    top = (req.top_logprobs or 0) if req.logprobs else 0
+    version = server.engine.policy_version
+    if req.stream:
+        events = _start(server.engine.stream, prompt_ids, params, top)
+        body = stream_chat(server, req, prompt_ids, events, parse_tools, version)
+        return StreamingResponse(body, media_type="text/event-stream")
+    outputs = await _run(server.engine.generate, prompt_ids, params, top)
+    choices = []
+    for i, out in enumerate(outputs):
+        message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        finish = out.finish_reason
+        if parse_tools:
+            parsed = parse_tool_calls(out.text)
+            message["content"] = parsed.content
+            if parsed.tool_calls:
+                message["tool_calls"], finish = parsed.tool_calls, "tool_calls"
+            if parsed.error:
+                message["tool_call_error"] = parsed.error
+        choice: dict[str, Any] = {"index": i, "message": message, "logprobs": None, "finish_reason": finish}
+        if req.logprobs:
+            choice["logprobs"] = build_chat_logprobs(
+                server.token_text, out.token_ids, out.logprobs, out.top_logprobs
+            )
+        if req.return_token_ids:
+            choice["token_ids"] = out.token_ids
+        choices.append(choice)
+    response: dict[str, Any] = {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": now(),
+        "model": req.model or server.model_name,
+        "choices": choices,
+        "usage": build_usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
+        "policy_version": version,
+    }
+    if req.return_token_ids:
+        response["prompt_token_ids"] = prompt_ids
+    return response
+
+
+def _completion_prompts(server: _Server, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise RequestError("prompt: must not be empty", "prompt")
+    ids = []
+    for i, item in enumerate(prompts):
+        tokens = server.tokenizer(item)["input_ids"] if isinstance(item, str) else list(item)
+        if not tokens:
+            raise RequestError(f"prompt[{i}]: is empty", "prompt")
+        server.check_prompt(tokens, "prompt")
+        ids.append(tokens)
+    return ids
+
+
+async def _completions(server: _Server, req: CompletionRequest) -> Any:
+    server.check_n(req.n)
+    if req.echo:
+        raise RequestError("echo: not supported by the embedded engine", "echo")
+    prompts = _completion_prompts(server, req.prompt)
+    top = req.logprobs or 0
+    version = server.engine.policy_version
+    params = [req.to_sampling_params(server.max_tokens(req.max_tokens or 16, len(p))) for p in prompts]
+    if req.stream:
+        streams = [_start(server.engine.stream, p, sp, top) for p, sp in zip(prompts, params, strict=True)]
+        return StreamingResponse(
+            stream_completions(server, req, prompts, streams, version), media_type="text/event-stream"
+        )
+    results = await asyncio.gather(
+        *[_run(server.engine.generate, p, sp, top) for p, sp in zip(prompts, params, strict=True)]
+    )
+    choices = []
+    for p_index, (prompt_ids, outputs) in enumerate(zip(prompts, results, strict=True)):
+        for i, out in enumerate(outputs):
+            choice: dict[str, Any] = {
+                "index": p_index * req.n + i,
+                "text": out.text,
+                "logprobs": None,
+                "finish_reason": out.finish_reason,
+            }
+            if req.logprobs is not None:
+                choice["logprobs"] = build_completion_logprobs(
+                    server.token_text, out.token_ids, out.logprobs, out.top_logprobs
+                )
+            if req.return_token_ids:
+                choice["prompt_token_ids"], choice["token_ids"] = prompt_ids, out.token_ids
+            choices.append(choice)
+    completion_tokens = sum(len(o.token_ids) for outs in results for o in outs)
+    return {
+        "id": new_id("cmpl"),
+        "object": "text_completion",
+        "created": now(),
+        "model": req.model or server.model_name,
+        "choices": choices,
+        "usage": build_usage(sum(len(p) for p in prompts), completion_tokens),
+        "policy_version": version,
+    }
+
+
+def _start(stream_fn: Any, prompt_ids: list[int], params: SamplingParams, top: int) -> Any:
+    try:
+        return stream_fn(prompt_ids, params, top_logprobs=top)
+    except ValueError as error:
+        raise RequestError(str(error), "prompt") from error
+
+
+async def _run(generate_fn: Any, prompt_ids: list[int], params: SamplingParams, top: int) -> Any:
+    try:
+        return await generate_fn(prompt_ids, params, top_logprobs=top)
+    except ValueError as error:
+        raise RequestError(str(error), "prompt") from error
+
+
+def build_server_app(
+    engine: Any, tokenizer: Any, *, model_name: str, max_model_len: int | None = None, max_n: int = 16
+) -> FastAPI:
+    """The OpenAI-compatible app over `engine` (an `EmbeddedEngine` or anything with its methods)."""
+    server = _Server(engine, tokenizer, model_name, int(max_model_len or engine.max_model_len), max_n)
+    app = FastAPI(title="agentrl embedded engine")
+    app.state.server = server
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = format_validation_error(list(exc.errors()))
+        return JSONResponse(build_error(message, param), status_code=400)
+
+    @app.exception_handler(RequestError)
+    async def _refused(_: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(build_error(exc.message, exc.param, exc.status), status_code=exc.status)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest) -> Any:
+        return await _chat(server, req)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Any:
+        return await _completions(server, req)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [
+            {
+                "id": model_name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "agentrl",
+                "root": model_name,
+                "parent": None,
+                "max_model_len": server.max_model_len,
+            }
+        ]
+        if getattr(engine, "lora_adapter", None):
+            data.append(
+                {
+                    "id": engine.lora_adapter,
+                    "object": "model",
+                    "created": now(),
+                    "owned_by": "agentrl",
+                    "root": engine.lora_adapter,
+                    "parent": model_name,
+                    "max_model_len": server.max_model_len,
+                }
+            )
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/update_weights")
+    async def update_weights(body: UpdateWeightsBody) -> dict[str, Any]:
+        try:
+            version = await asyncio.to_thread(lambda: engine.update_weights(read_state_dict(body.path)))
+        except (ValueError, OSError) as error:
+            raise RequestError(str(error), "path") from error
+        return {"policy_version": version, "weights_fingerprint": engine.weights_fingerprint()}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraBody) -> dict[str, Any]:
+        try:
+            version = await asyncio.to_thread(engine.load_lora_adapter, body.lora_name, body.lora_path)
+        except (ValueError, OSError) as error:
+            raise RequestError(f"lora_path: {error}", "lora_path") from error
+        return {"status": "ok", "lora_name": body.lora_name, "policy_version": version}
+
+    @app.post("/sleep")
+    async def sleep() -> dict[str, bool]:
+        try:
+            await asyncio.to_thread(engine.sleep)
+        except RuntimeError as error:
+            raise RequestError(str(error), None, 409) from error
+        return {"is_sleeping": True}
+
+    @app.post("/wake_up")
+    async def wake_up() -> dict[str, bool]:
+        await asyncio.to_thread(engine.wake_up)
+        return {"is_sleeping": False}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": engine.is_sleeping}
+
+    @app.get("/metrics")
+    async def metrics() -> dict[str, Any]:
+        stats = dict(engine.stats())
+        stats["policy_version"] = engine.policy_version
+        stats["weights_fingerprint"] = await asyncio.to_thread(engine.weights_fingerprint)
+        return stats
+
+    return app
