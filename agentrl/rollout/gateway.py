@@ -1,0 +1,350 @@
+"""The gateway: an OpenAI-compatible proxy in front of the `RolloutPool` that records every call.
+
+A rollout's client uses base URL `{gateway}/sessions/{session_id}/v1`. For each call the gateway
+1. validates the body (a malformed request gets a 400 naming the field),
+2. enforces the session's sampling mode (`train` or `validation`): temperature, top_p and top_k come
+   from config, `max_tokens` is capped, config stop strings/ids are added, `n` is capped,
+3. always asks the server for token ids and logprobs (`return_token_ids`, `logprobs`),
+4. stores one `Trace` per choice under the session (token in, token out; what training uses),
+5. strips what the client did not ask for, so the agent sees an ordinary OpenAI response, and
+   re-emits it as server-sent events when the client asked to stream.
+
+Sessions are registered first (`POST /sessions`, or `TraceStore.open_session` / `Gateway.open_session`
+in-process); a call for an unknown session is a 404, so a straggling request of a finished rollout
+cannot slip into training data. `allow_implicit_sessions=True` (what `agentrl serve` uses) opens a
+session on its first call instead. The gateway holds no algorithm logic: it translates and forwards.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agentrl.rollout.pool import RolloutPool
+from agentrl.rollout.traces import TraceStore, UnknownSessionError
+from agentrl.types import SamplingParams, Trace
+
+_TOKEN_FIELDS = ("prompt_token_ids", "token_ids")
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    return_token_ids: bool | None = None
+
+
+class _ChatBody(_Common):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+
+
+class _CompletionBody(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class _SessionBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str | None = None
+    mode: str = "train"
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error"}
+    body = {
+        "error": {
+            "message": message,
+            "type": kind.get(status, "server_error"),
+            "param": param,
+            "code": status,
+        }
+    }
+    return JSONResponse(body, status_code=status)
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> tuple[dict[str, Any], Any]:
+    """The raw JSON body and its validated view; _BadRequest names the first bad field."""
+    try:
+        raw = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _BadRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise _BadRequest(f"request body must be a JSON object, got {type(raw).__name__}")
+    try:
+        return raw, model.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or None
+        raise _BadRequest(
+            f"invalid field '{field}': {err['msg']} (got {err.get('input')!r:.100})", field
+        ) from None
+
+
+def build_gateway_app(
+    pool: RolloutPool,
+    trace_store: TraceStore,
+    *,
+    sampling_train: SamplingParams,
+    sampling_val: SamplingParams | None = None,
+    max_n: int = 16,
+    allow_implicit_sessions: bool = False,
+) -> FastAPI:
+    """The gateway's FastAPI app; `sampling_val` defaults to greedy with `sampling_train`'s length cap."""
+    sampling = {
+        "train": sampling_train,
+        "validation": sampling_val
+        or SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=sampling_train.max_tokens),
+    }
+    app = FastAPI(title="agentrl gateway")
+    app.state.pool, app.state.trace_store, app.state.sampling = pool, trace_store, sampling
+
+    def session_mode(sid: str) -> str:
+        if not trace_store.has_session(sid) and allow_implicit_sessions:
+            trace_store.open_session(sid, "train")
+        return trace_store.mode(sid)
+
+    @app.exception_handler(_BadRequest)
+    async def _bad_request(_: Request, exc: _BadRequest) -> JSONResponse:
+        return _error(exc.status, str(exc), exc.param)
+
+    @app.exception_handler(UnknownSessionError)
+    async def _unknown_session(_: Request, exc: UnknownSessionError) -> JSONResponse:
+        return _error(404, str(exc), "session_id")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        servers = [
+            {"url": s.url, "healthy": s.healthy, "in_flight": s.in_flight, "policy_version": s.policy_version}
+            for s in pool.servers
+        ]
+        ok = any(s.healthy for s in pool.servers)
+        body = {
+            "status": "ok" if ok else "unhealthy",
+            "policy_version": pool.policy_version,
+            "servers": servers,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.post("/sessions")
+    async def create_session(request: Request) -> JSONResponse:
+        raw = await request.body()
+        body = _SessionBody() if not raw.strip() else (await _parse(request, _SessionBody))[1]
+        try:
+            sid = trace_store.open_session(body.session_id, body.mode)
+        except ValueError as e:
+            field = "mode" if "mode" in str(e) else "session_id"
+            raise _BadRequest(str(e), field) from None
+        return JSONResponse(
+            {"session_id": sid, "mode": trace_store.mode(sid), "base_url": f"/sessions/{sid}/v1"}
+        )
+
+    @app.delete("/sessions/{sid}")
+    async def close_session(sid: str) -> JSONResponse:
+        trace_store.mode(sid)  # 404 if unknown
+        trace_store.close_session(sid)
+        pool.forget_session(sid)
+        return JSONResponse({"session_id": sid, "closed": True})
+
+    @app.get("/sessions/{sid}/traces")
+    async def get_traces(sid: str) -> JSONResponse:
+        return JSONResponse([t.model_dump(mode="json") for t in trace_store.traces(sid)])
+
+    @app.get("/sessions/{sid}/v1/models")
+    async def list_models(sid: str) -> JSONResponse:
+        session_mode(sid)
+        card = {"id": pool.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/sessions/{sid}/v1/chat/completions")
+    async def chat(sid: str, request: Request) -> Any:
+        return await _handle(sid, request, chat=True)
+
+    @app.post("/sessions/{sid}/v1/completions")
+    async def completions(sid: str, request: Request) -> Any:
+        return await _handle(sid, request, chat=False)
+
+    async def _handle(sid: str, request: Request, *, chat: bool) -> Any:
+        mode = session_mode(sid)
+        raw, req = await _parse(request, _ChatBody if chat else _CompletionBody)
+        if req.n > max_n:
+            raise _BadRequest(
+                f"invalid field 'n': {req.n} is above the cap of {max_n} (rollout.max_n_per_request)", "n"
+            )
+        upstream = build_upstream_body(raw, req, sampling[mode], pool.served_model, chat=chat)
+        started = time.perf_counter()
+        resp = await pool.forward(sid, "/v1/chat/completions" if chat else "/v1/completions", upstream)
+        latency = time.perf_counter() - started
+        if resp.status != 200:
+            return JSONResponse(resp.body, status_code=resp.status)
+        try:
+            traces = extract_traces(resp.body, sid, chat=chat, messages=raw.get("messages"))
+        except ValueError as e:
+            return _error(502, f"inference server {resp.server} answered without usable token ids: {e}")
+        # The embedded server reports the version its weights had when the request started; vLLM does not.
+        version = resp.body.get("policy_version")
+        version = version if isinstance(version, int) else resp.policy_version
+        for t in traces:
+            trace_store.add(t.model_copy(update={"policy_version": version, "latency_s": latency,
+                                                 "server": resp.server}))  # fmt: skip
+        body = strip_response(resp.body, req, chat=chat)
+        if req.model:
+            body["model"] = req.model
+        if not req.stream:
+            return JSONResponse(body)
+        usage = bool((req.stream_options or {}).get("include_usage"))
+        chunks = stream_chat(body, usage) if chat else stream_completion(body, usage)
+        return StreamingResponse(chunks, media_type="text/event-stream")
+
+    return app
+
+
+def build_upstream_body(
+    raw: dict[str, Any], req: _Common, sampling: SamplingParams, served_model: str, *, chat: bool
+) -> dict[str, Any]:
+    """The body sent to the server: the client's request under the mode's sampling settings."""
+    body = dict(raw)
+    asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    body.pop("max_completion_tokens", None)
+    body.pop("stream_options", None)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    body.update(
+        model=served_model,
+        stream=False,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_tokens=min(asked, sampling.max_tokens) if asked else sampling.max_tokens,
+        stop=list(dict.fromkeys(stop + sampling.stop)),
+        stop_token_ids=list(dict.fromkeys(list(req.stop_token_ids or []) + sampling.stop_token_ids)),
+        return_token_ids=True,
+    )
+    if req.seed is None and sampling.seed is not None:
+        body["seed"] = sampling.seed
+    if chat:
+        body["logprobs"] = True
+    else:
+        body["logprobs"] = req.logprobs if req.logprobs is not None else 1
+    return body
+
+
+def extract_traces(body: dict[str, Any], session_id: str, *, chat: bool, messages: Any = None) -> list[Trace]:
+    """One Trace per choice from a server response that carries token ids and logprobs."""
+    traces = []
+    request_id = str(body.get("id") or uuid.uuid4().hex)
+    for i, choice in enumerate(body.get("choices") or []):
+        prompt_ids = body.get("prompt_token_ids") if chat else choice.get("prompt_token_ids")
+        completion_ids = choice.get("token_ids")
+        if prompt_ids is None or completion_ids is None:
+            raise ValueError(f"choices[{i}] lacks prompt_token_ids/token_ids")
+        lp = choice.get("logprobs") or {}
+        logprobs = (
+            [e["logprob"] for e in lp.get("content") or []] if chat else list(lp.get("token_logprobs") or [])
+        )
+        if len(logprobs) != len(completion_ids):
+            raise ValueError(f"choices[{i}] has {len(completion_ids)} token ids but {len(logprobs)} logprobs")
+        message = choice.get("message") or {}
+        traces.append(
+            Trace(
+                session_id=session_id,
+                request_id=request_id,
+                prompt_ids=list(prompt_ids),
+                completion_ids=list(completion_ids),
+                logprobs=[float(x) for x in logprobs],
+                finish_reason=str(choice.get("finish_reason") or ""),
+                messages=messages if chat else None,
+                completion_text=(message.get("content") or "") if chat else (choice.get("text") or ""),
+                tool_calls=message.get("tool_calls") or None,
+                choice_index=int(choice.get("index", i)),
+            )
+        )
+    return traces
+
+
+def strip_response(body: dict[str, Any], req: Any, *, chat: bool) -> dict[str, Any]:
+    """Remove the token ids and logprobs the client did not ask for."""
+    body = dict(body)
+    choices = [dict(c) for c in body.get("choices") or []]
+    if not req.return_token_ids:
+        for f in _TOKEN_FIELDS:
+            body.pop(f, None)
+            for c in choices:
+                c.pop(f, None)
+    if (chat and not req.logprobs) or (not chat and req.logprobs is None):
+        for c in choices:
+            c["logprobs"] = None
+    body["choices"] = choices
+    return body
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def stream_chat(body: dict[str, Any], include_usage: bool) -> Iterator[str]:
+    """A finished chat completion as OpenAI chunks: role, content (+tool calls), finish, usage."""
+    base = {"id": body.get("id"), "object": "chat.completion.chunk", "created": body.get("created"),
+            "model": body.get("model")}  # fmt: skip
+    for c in body["choices"]:
+        i, msg = c.get("index", 0), c.get("message") or {}
+        first: dict[str, Any] = {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                      "logprobs": None, "finish_reason": None}]}  # fmt: skip
+        if "prompt_token_ids" in body:
+            first["prompt_token_ids"] = body["prompt_token_ids"]
+        yield _sse(first)
+        delta: dict[str, Any] = {}
+        if msg.get("content"):
+            delta["content"] = msg["content"]
+        if msg.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]
+        if delta or c.get("logprobs"):
+            part = {"index": i, "delta": delta, "logprobs": c.get("logprobs"), "finish_reason": None}
+            if "token_ids" in c:
+                part["token_ids"] = c["token_ids"]
+            yield _sse({**base, "choices": [part]})
+        yield _sse({**base, "choices": [{"index": i, "delta": {}, "logprobs": None,
+                                         "finish_reason": c.get("finish_reason")}]})  # fmt: skip
+    if include_usage:
+        yield _sse({**base, "choices": [], "usage": body.get("usage")})
+    yield "data: [DONE]\n\n"
+
+
+def stream_completion(body: dict[str, Any], include_usage: bool) -> Iterator[str]:
+    """A finished text completion as OpenAI chunks: the text, then the finish reason, then usage."""
+    base = {"id": body.get("id"), "object": "text_completion", "created": body.get("created"),
+            "model": body.get("model")}  # fmt: skip
+    for c in body["choices"]:
+        part = {k: v for k, v in c.items() if k != "finish_reason"}
+        yield _sse({**base, "choices": [{**part, "finish_reason": None}]})
+        yield _sse({**base, "choices": [{"index": c.get("index", 0), "text": "", "logprobs": None,
+                                         "finish_reason": c.get("finish_reason")}]})  # fmt: skip
+    if include_usage:
+        yield _sse({**base, "choices": [], "usage": body.get("usage")})
+    yield "data: [DONE]\n\n"

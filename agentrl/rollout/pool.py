@@ -1,0 +1,362 @@
+"""RolloutPool: routes a session's requests to inference servers and keeps them in sync.
+
+Routing is sticky least-loaded: a session's first request goes to the healthy server with the
+fewest requests in flight (ties: fewest sessions, then list order) and the session stays there,
+so multi-turn prompts hit that server's prefix cache. A request that fails at the transport level,
+times out, or gets a 5xx marks its server unhealthy and is retried on another server (at most
+`max_retries` times); the session moves with it. Unhealthy servers are probed (`GET /health`) again
+after `probe_interval` seconds and rejoin when they answer; one that missed a weight update is
+brought up to date first, so no request is ever served by stale weights.
+
+Both engines sit behind the same pool; only their admin routes differ:
+
+| operation         | embedded server                 | vLLM server (dev mode routes)                                        |
+| ----------------- | ------------------------------- | -------------------------------------------------------------------- |
+| full weights      | POST /update_weights {path}     | POST /collective_rpc reload_weights(weights_path); /reset_prefix_cache |
+| LoRA adapter      | POST /v1/load_lora_adapter      | POST /v1/load_lora_adapter (load_inplace when the name is reused)     |
+| sleep / wake up   | POST /sleep, POST /wake_up      | POST /sleep?level=1, POST /wake_up                                   |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import httpx
+
+ENGINES = ("embedded", "vllm")
+
+
+@dataclass
+class ServerState:
+    """What the pool knows about one server."""
+
+    url: str
+    engine: str = "embedded"
+    healthy: bool = True
+    in_flight: int = 0
+    sessions: int = 0
+    policy_version: int = 0
+    last_error: str = ""
+    next_probe_at: float = 0.0
+    requests: int = 0
+    failures: int = 0
+
+
+class PoolResponse(NamedTuple):
+    """A server's answer: HTTP status, parsed JSON body, which server answered, its policy version."""
+
+    status: int
+    body: Any
+    server: str
+    policy_version: int
+
+
+class NoHealthyServerError(RuntimeError):
+    """Every server is unhealthy (and none answered a fresh probe)."""
+
+
+@dataclass
+class _AdminState:
+    """What a server that missed updates must replay before it serves again."""
+
+    weights_path: str | None = None
+    adapters: dict[str, str] = field(default_factory=dict)
+
+
+class RolloutPool:
+    """Sticky least-loaded routing, health tracking with failover, and admin broadcast."""
+
+    def __init__(
+        self,
+        servers: Sequence[Any],
+        *,
+        model_name: str,
+        engine: str = "embedded",
+        request_timeout: float = 120.0,
+        max_retries: int = 2,
+        probe_interval: float = 2.0,
+        probe_timeout: float = 2.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """`servers`: URLs, or objects with `.url` (and optionally `.engine`, e.g. `VLLMServer`).
+
+        `model_name` is the name the servers serve; requests are forwarded with `model` set to it
+        (or to the active LoRA adapter), whatever the client asked for. `transport` replaces
+        httpx's network transport (tests serve several in-process apps through one).
+        """
+        if not servers:
+            raise ValueError("RolloutPool needs at least one server")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
+        self.servers = [_to_state(s, engine) for s in servers]
+        self.model_name = model_name
+        self.served_model = model_name
+        self.request_timeout = request_timeout
+        self.max_retries = max_retries
+        self.probe_interval = probe_interval
+        self.probe_timeout = probe_timeout
+        self.policy_version = 0
+        self._sticky: dict[str, ServerState] = {}
+        self._admin = _AdminState()
+        self._probes: set[asyncio.Task] = set()
+        self._client_: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._transport = transport
+
+    # ---- routing -------------------------------------------------------------------------------
+
+    def pick_server(self, session_id: str, exclude: Sequence[ServerState] = ()) -> ServerState:
+        """The session's server: its sticky one if usable, else the least-loaded usable one."""
+        usable = [s for s in self.servers if self._usable(s) and s not in exclude]
+        if not usable:
+            raise NoHealthyServerError(self._describe_unhealthy())
+        current = self._sticky.get(session_id)
+        if current in usable:
+            return current
+        best = min(usable, key=lambda s: (s.in_flight, s.sessions, self.servers.index(s)))
+        self._assign(session_id, best)
+        return best
+
+    def forget_session(self, session_id: str) -> None:
+        """Drop the session's stickiness (call when the session closes)."""
+        state = self._sticky.pop(session_id, None)
+        if state is not None:
+            state.sessions -= 1
+
+    def server_of(self, session_id: str) -> str | None:
+        state = self._sticky.get(session_id)
+        return state.url if state else None
+
+    def mark_unhealthy(self, state: ServerState, reason: str) -> None:
+        """Take the server out of routing; it is probed again after `probe_interval` seconds."""
+        state.healthy = False
+        state.failures += 1
+        state.last_error = reason
+        state.next_probe_at = time.monotonic() + self.probe_interval
+
+    def _usable(self, state: ServerState) -> bool:
+        return state.healthy and state.policy_version == self.policy_version
+
+    def _assign(self, session_id: str, state: ServerState) -> None:
+        self.forget_session(session_id)
+        self._sticky[session_id] = state
+        state.sessions += 1
+
+    def _describe_unhealthy(self) -> str:
+        parts = [f"{s.url}: {s.last_error or 'stale weights'}" for s in self.servers]
+        return "no healthy inference server; " + "; ".join(parts)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    async def forward(self, session_id: str, path: str, json_body: dict[str, Any]) -> PoolResponse:
+        """POST `json_body` to `path` on the session's server, failing over on dead or hung servers.
+
+        Returns the first non-5xx answer (4xx included: those are the client's fault and would fail
+        anywhere). After `max_retries` failovers, or with no healthy server, returns a 503 whose
+        body says what went wrong on each server.
+        """
+        self._schedule_due_probes()
+        tried: list[ServerState] = []
+        errors: list[str] = []
+        for _ in range(self.max_retries + 1):
+            try:
+                state = self.pick_server(session_id, exclude=tried)
+            except NoHealthyServerError:
+                if not await self._probe_all_now(exclude=tried):
+                    break
+                continue
+            tried.append(state)
+            state.in_flight += 1
+            state.requests += 1
+            try:
+                resp = await self._client().post(
+                    state.url + path, json=json_body, timeout=self.request_timeout
+                )
+                body = resp.json()
+            except (httpx.HTTPError, ValueError) as e:
+                reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                self.mark_unhealthy(state, reason)
+                errors.append(f"{state.url}: {reason}")
+                continue
+            finally:
+                state.in_flight -= 1
+            if resp.status_code >= 500:
+                reason = f"HTTP {resp.status_code}: {str(body)[:300]}"
+                self.mark_unhealthy(state, reason)
+                errors.append(f"{state.url}: {reason}")
+                continue
+            return PoolResponse(resp.status_code, body, state.url, state.policy_version)
+        message = "request failed on every server tried: " + ("; ".join(errors) or self._describe_unhealthy())
+        return PoolResponse(503, {"error": {"message": message, "type": "ServiceUnavailable"}}, "", -1)
+
+    def _client(self) -> httpx.AsyncClient:
+        """One client per event loop (the gateway's loop; tests may drive the pool from others)."""
+        loop = asyncio.get_running_loop()
+        if self._client_ is None or self._client_loop is not loop:
+            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+            self._client_ = httpx.AsyncClient(
+                timeout=self.request_timeout, limits=limits, transport=self._transport
+            )
+            self._client_loop = loop
+        return self._client_
+
+    async def aclose(self) -> None:
+        for task in list(self._probes):
+            task.cancel()
+        if self._client_ is not None and self._client_loop is asyncio.get_running_loop():
+            await self._client_.aclose()
+        self._client_ = None
+
+    # ---- health --------------------------------------------------------------------------------
+
+    async def probe(self, state: ServerState) -> bool:
+        """GET /health; on success bring the server's weights up to date and mark it healthy."""
+        try:
+            resp = await self._client().get(state.url + "/health", timeout=self.probe_timeout)
+            ok = resp.status_code == 200
+            reason = f"health check answered HTTP {resp.status_code}"
+        except httpx.HTTPError as e:
+            ok, reason = False, f"health check failed: {type(e).__name__}"
+        if ok and state.policy_version != self.policy_version:
+            ok, reason = await self._resync(state)
+        if ok:
+            state.healthy, state.last_error = True, ""
+        else:
+            state.healthy, state.last_error = False, reason
+            state.next_probe_at = time.monotonic() + self.probe_interval
+        return ok
+
+    async def probe_unhealthy(self) -> list[str]:
+        """Probe every unhealthy server now; returns the URLs that came back."""
+        down = [s for s in self.servers if not self._usable(s)]
+        results = await asyncio.gather(*(self.probe(s) for s in down))
+        return [s.url for s, ok in zip(down, results, strict=True) if ok]
+
+    async def _probe_all_now(self, exclude: Sequence[ServerState]) -> bool:
+        candidates = [s for s in self.servers if not self._usable(s) and s not in exclude]
+        results = await asyncio.gather(*(self.probe(s) for s in candidates))
+        return any(results)
+
+    def _schedule_due_probes(self) -> None:
+        now = time.monotonic()
+        for state in self.servers:
+            if not self._usable(state) and state.next_probe_at <= now:
+                state.next_probe_at = now + self.probe_interval  # one probe in flight at a time
+                task = asyncio.get_running_loop().create_task(self.probe(state))
+                self._probes.add(task)
+                task.add_done_callback(self._probes.discard)
+
+    # ---- admin broadcast -----------------------------------------------------------------------
+
+    async def update_weights(self, weights_path: str, *, version: int | None = None) -> int:
+        """Load full weights from the HF folder `weights_path` on every server; returns the version.
+
+        For vLLM the folder's safetensors must hold every parameter under its HF name, including
+        `lm_head.weight` for tied-embedding models (see `agentrl.rollout.engines.vllm.save_weights_for_vllm`).
+        A server that fails is marked unhealthy and replays this update when it comes back.
+        """
+        new_version = self.policy_version + 1 if version is None else version
+        self._admin.weights_path = weights_path
+        await self._broadcast(new_version, self._apply_weights, weights_path, new_version)
+        return self.policy_version
+
+    async def load_lora_adapter(self, name: str, path: str, *, activate: bool = True) -> int:
+        """Load (or replace) LoRA adapter `name` from `path` on every server.
+
+        With `activate`, requests are served by this adapter from now on and the policy version goes up.
+        """
+        replace = name in self._admin.adapters
+        self._admin.adapters[name] = path
+        new_version = self.policy_version + 1 if activate else self.policy_version
+        await self._broadcast(new_version, self._apply_adapter, name, path, replace)
+        if activate:
+            self.served_model = name
+        return self.policy_version
+
+    async def sleep(self) -> None:
+        """Ask every healthy server to free its generation memory (vLLM on CPU logs and ignores it)."""
+        await self._broadcast_admin(lambda s: ("/sleep?level=1" if s.engine == "vllm" else "/sleep", {}))
+
+    async def wake_up(self) -> None:
+        await self._broadcast_admin(lambda s: ("/wake_up", {}))
+
+    async def _broadcast(self, new_version: int, apply: Any, *args: Any) -> None:
+        """Apply an update to every healthy server, then move the pool to `new_version`.
+
+        Servers keep serving at the old version until the broadcast ends; one that failed stays
+        behind, so routing skips it until a probe has replayed the update on it.
+        """
+
+        async def one(state: ServerState) -> None:
+            ok, reason = await apply(state, *args)
+            if ok:
+                state.policy_version = new_version
+            else:
+                self.mark_unhealthy(state, reason)
+
+        await asyncio.gather(*(one(s) for s in self.servers if self._usable(s)))
+        self.policy_version = new_version
+        if not any(self._usable(s) for s in self.servers):
+            raise NoHealthyServerError("update failed on every server: " + self._describe_unhealthy())
+
+    async def _broadcast_admin(self, route: Any) -> None:
+        async def one(state: ServerState) -> None:
+            path, body = route(state)
+            ok, reason = await self._post_admin(state, path, body)
+            if not ok:
+                self.mark_unhealthy(state, reason)
+
+        await asyncio.gather(*(one(s) for s in self.servers if s.healthy))
+
+    async def _apply_weights(self, state: ServerState, weights_path: str, version: int) -> tuple[bool, str]:
+        if state.engine == "vllm":
+            body = {"method": "reload_weights", "kwargs": {"weights_path": weights_path}}
+            ok, reason = await self._post_admin(state, "/collective_rpc", body)
+            if ok:  # KV blocks computed with the old weights must not be reused
+                ok, reason = await self._post_admin(state, "/reset_prefix_cache", {})
+            return ok, reason
+        return await self._post_admin(
+            state, "/update_weights", {"path": weights_path, "policy_version": version}
+        )
+
+    async def _apply_adapter(
+        self, state: ServerState, name: str, path: str, replace: bool
+    ) -> tuple[bool, str]:
+        body: dict[str, Any] = {"lora_name": name, "lora_path": path}
+        if replace and state.engine == "vllm":
+            body["load_inplace"] = True
+        return await self._post_admin(state, "/v1/load_lora_adapter", body)
+
+    async def _resync(self, state: ServerState) -> tuple[bool, str]:
+        """Replay the last full-weight update and every adapter on a server that missed them."""
+        if self._admin.weights_path is not None:
+            ok, reason = await self._apply_weights(state, self._admin.weights_path, self.policy_version)
+            if not ok:
+                return False, f"weight resync failed: {reason}"
+        for name, path in self._admin.adapters.items():
+            ok, reason = await self._apply_adapter(state, name, path, True)
+            if not ok:
+                return False, f"adapter {name!r} resync failed: {reason}"
+        state.policy_version = self.policy_version
+        return True, ""
+
+    async def _post_admin(self, state: ServerState, path: str, body: dict[str, Any]) -> tuple[bool, str]:
+        try:
+            resp = await self._client().post(
+                state.url + path, json=body, timeout=max(self.request_timeout, 300.0)
+            )
+        except httpx.HTTPError as e:
+            return False, f"POST {path}: {type(e).__name__}: {e}"
+        if resp.status_code != 200:
+            return False, f"POST {path}: HTTP {resp.status_code}: {resp.text[:300]}"
+        return True, ""
+
+
+def _to_state(server: Any, default_engine: str) -> ServerState:
+    if isinstance(server, str):
+        return ServerState(url=server.rstrip("/"), engine=default_engine)
+    return ServerState(url=server.url.rstrip("/"), engine=getattr(server, "engine", default_engine))
