@@ -10,6 +10,7 @@ never leaves a half folder behind.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -46,9 +47,15 @@ class TinyPreset:
             "image_processor": self.image_processor,
             "vocab_size": self.vocab_size,
             "chat_template": _sha(tok_lib.CHAT_TEMPLATE),
-            "corpus": _sha("\n".join(tok_lib.build_corpus())),
+            "corpus": _corpus_sha(),
             "extra": self.extra,
         }
+
+
+@functools.cache
+def _corpus_sha() -> str:
+    """Hash of the tokenizer corpus (computed once per process: resolve is called often)."""
+    return _sha("\n".join(tok_lib.build_corpus()))
 
 
 def _sha(text: str) -> str:
