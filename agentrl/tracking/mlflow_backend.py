@@ -59,7 +59,7 @@ def _silence_mlflow_logging() -> None:
 class MlflowBackend:
     """Logs to one MLflow run; on a resumed run (same run_dir) it reopens the run it logged to."""
 
-    def __init__(self, *, run_dir: Path, project_name: str, experiment_name: str) -> None:
+    def __init__(self, *, run_dir: Path, project_name: str, experiment_name: str, resume: bool) -> None:
         _silence_mlflow_logging()
         from mlflow.tracking import MlflowClient
 
@@ -80,7 +80,7 @@ class MlflowBackend:
             experiment_id = experiment.experiment_id
 
         id_file = run_dir / RUN_ID_FILE
-        self.run_id = self._reopen_run(id_file, experiment_id)
+        self.run_id = self._reopen_run(id_file, experiment_id) if resume else None
         if self.run_id is None:
             run = self._client.create_run(experiment_id, run_name=experiment_name)
             self.run_id = run.info.run_id

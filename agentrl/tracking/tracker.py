@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -129,11 +130,15 @@ def build_tracker(
     project_name: str,
     experiment_name: str,
     config: Mapping[str, Any] | Any,
+    resume: bool = True,
 ) -> Tracker:
     """Build the tracker for `trainer.logger` and log the config as params once.
 
-    A second call with the same `run_dir` (a resumed run) continues the same MLflow run and the
-    same `metrics.jsonl`, so step numbers carry on where they stopped.
+    With `resume=True` (the default) a second call with the same `run_dir` continues the MLflow
+    run recorded in `run_dir/mlflow_run_id.txt` and the same `metrics.jsonl`, so a resumed run's
+    step numbers carry on where they stopped. Pass `resume=False` when training starts again
+    from step 0 (`trainer.resume_mode=disable`, or no checkpoint found): a new MLflow run is
+    created and an old `metrics.jsonl` is moved aside to `metrics.<unix time>.jsonl`.
     """
     unknown = [name for name in loggers if name not in ALLOWED_LOGGERS]
     if unknown:
@@ -142,6 +147,9 @@ def build_tracker(
         )
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    old_history = run_dir / METRICS_FILE
+    if not resume and old_history.exists():
+        old_history.rename(run_dir / f"metrics.{int(time.time())}.jsonl")
     backends: dict[str, Any] = {}
     for name in dict.fromkeys(loggers):
         if name == "console":
@@ -150,7 +158,7 @@ def build_tracker(
             from agentrl.tracking.mlflow_backend import MlflowBackend  # lazy: mlflow is slow to import
 
             backends[name] = MlflowBackend(
-                run_dir=run_dir, project_name=project_name, experiment_name=experiment_name
+                run_dir=run_dir, project_name=project_name, experiment_name=experiment_name, resume=resume
             )
     tracker = Tracker(run_dir, backends)
     tracker.log_params_once(config)

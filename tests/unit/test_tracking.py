@@ -28,9 +28,14 @@ def _no_env_uri(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
-def _build(run_dir, loggers=("mlflow",), config=CONFIG):
+def _build(run_dir, loggers=("mlflow",), config=CONFIG, resume=True):
     return build_tracker(
-        list(loggers), run_dir=run_dir, project_name="proj", experiment_name="exp1", config=config
+        list(loggers),
+        run_dir=run_dir,
+        project_name="proj",
+        experiment_name="exp1",
+        config=config,
+        resume=resume,
     )
 
 
@@ -97,6 +102,22 @@ def test_resume_reuses_run_and_continues_steps(tmp_path):
     assert run.info.status == "FINISHED"
     assert run.data.params["trainer.save_freq"] == "5"  # MLflow forbids changing a param
     assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+def test_fresh_start_in_same_run_dir_starts_a_new_run(tmp_path):
+    with _build(tmp_path) as first:
+        first.log({"actor/pg_loss": 1.0}, step=1)
+        first.log({"actor/pg_loss": 2.0}, step=2)
+    with _build(tmp_path, resume=False) as second:
+        assert second.mlflow_run_id != first.mlflow_run_id
+        assert second.history == []
+        second.log({"actor/pg_loss": 5.0}, step=1)
+    assert (tmp_path / "mlflow_run_id.txt").read_text().strip() == second.mlflow_run_id
+    assert _history(second, "actor/pg_loss") == [(1, 5.0)]
+    assert _history(first, "actor/pg_loss") == [(1, 1.0), (2, 2.0)]
+    assert read_metrics_history(tmp_path) == [{"step": 1, "actor/pg_loss": 5.0}]
+    (archived,) = tmp_path.glob("metrics.*.jsonl")
+    assert len(archived.read_text().splitlines()) == 2
 
 
 def test_non_finite_values_skipped_and_counted(tmp_path):
