@@ -1,0 +1,24 @@
+"""Validated run configuration: `load_config(overrides)` composes configs/agent_ppo_trainer.yaml with
+Hydra overrides and returns an `AgentRLConfig`, or raises one `ConfigError` listing every problem."""
+
+from agentrl.config.errors import ConfigError
+from agentrl.config.loading import (
+    config_dir,
+    config_to_dict,
+    config_to_yaml,
+    load_config,
+    save_resolved_config,
+    validate_config,
+)
+from agentrl.config.schema import AgentRLConfig
+
+__all__ = [
+    "AgentRLConfig",
+    "ConfigError",
+    "config_dir",
+    "config_to_dict",
+    "config_to_yaml",
+    "load_config",
+    "save_resolved_config",
+    "validate_config",
+]

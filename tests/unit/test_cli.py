@@ -1,0 +1,151 @@
+"""The `agentrl` command: help, lazy subcommands, `agentrl config` output and exit statuses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agentrl import cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", code] if code else [sys.executable, "-m", "agentrl.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=60)
+
+
+def test_misspelt_key_exits_nonzero_naming_it_and_the_fix():
+    result = _run("config", "actor_rollout_ref.modle.path=x")
+    assert result.returncode == 2
+    assert "'modle' is not a key of actor_rollout_ref" in result.stderr
+    assert "did you mean actor_rollout_ref.model.path?" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_console_script_prints_resolved_config():
+    script = Path(sys.executable).parent / "agentrl"
+    if not script.exists():
+        pytest.skip("agentrl console script not installed next to this interpreter")
+    result = subprocess.run(
+        [str(script), "config", "actor_rollout_ref.model.lora_rank=8"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "    lora_rank: 8\n" in result.stdout
+    printed = yaml.safe_load(result.stdout)
+    assert printed["actor_rollout_ref"]["model"]["lora_rank"] == 8
+    assert printed["actor_rollout_ref"]["rollout"]["max_model_len"] == 320  # derived values are resolved
+
+
+def test_config_command_does_not_import_torch():
+    code = "import sys; from agentrl.cli import main; rc = main(['config']); assert 'torch' not in sys.modules; sys.exit(rc)"
+    result = _run(code=code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_config_in_process_with_config_file(tmp_path, capsys):
+    path = tmp_path / "exp.yaml"
+    path.write_text("defaults:\n  - agent_ppo_trainer\n  - _self_\ntrainer:\n  total_epochs: 4\n")
+    assert cli.main(["config", "-c", str(path), "trainer.seed=9"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert (printed["trainer"]["total_epochs"], printed["trainer"]["seed"]) == (4, 9)
+
+
+def test_config_errors_list_every_problem(capsys):
+    assert cli.main(["config", "actor_rollout_ref.rollout.n=1", "trainer.resume_mode=resume_path"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid configuration (2 problems)" in err
+    assert "actor_rollout_ref.rollout.n=1" in err and "trainer.resume_from_path" in err
+
+
+def test_help_lists_every_command(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("config", "train", "sft", "serve"):
+        assert f"\n  {name} " in out
+
+
+def test_no_command_prints_usage_and_fails(capsys):
+    assert cli.main([]) == 2
+    assert "usage: agentrl <command>" in capsys.readouterr().err
+
+
+def test_unknown_command_suggests_closest(capsys):
+    assert cli.main(["trian"]) == 2
+    assert "unknown command 'trian'; did you mean 'train'?" in capsys.readouterr().err
+
+
+@pytest.fixture
+def commands(monkeypatch, tmp_path):
+    """Point COMMANDS at throwaway modules written to tmp_path."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    table = dict(cli.COMMANDS)
+    monkeypatch.setattr(cli, "COMMANDS", table)
+
+    def _add(name: str, target: str, source: str | None = None) -> None:
+        if source is not None:
+            (tmp_path / f"{target.split(':')[0]}.py").write_text(textwrap.dedent(source))
+        table[name] = cli.Command(target, "test command")
+
+    return _add
+
+
+def test_missing_module_is_a_clear_error_not_a_traceback(commands, capsys):
+    commands("ghost", "agentrl_cli_test_absent_module:main")
+    assert cli.main(["ghost"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.strip()
+        == "agentrl ghost: not available in this installation (module agentrl_cli_test_absent_module not found)"
+    )
+
+
+def test_missing_dependency_names_it(commands, capsys):
+    commands("dep", "agentrl_cli_test_dep:main", "import agentrl_cli_test_no_such_dependency\n")
+    assert cli.main(["dep"]) == 1
+    assert "cannot import agentrl_cli_test_dep: No module named 'agentrl_cli_test_no_such_dependency'" in (
+        capsys.readouterr().err
+    )
+
+
+def test_missing_function_is_named(commands, capsys):
+    commands("nofn", "agentrl_cli_test_nofn:main", "x = 1\n")
+    assert cli.main(["nofn"]) == 1
+    assert "agentrl_cli_test_nofn has no function main" in capsys.readouterr().err
+
+
+def test_subcommand_gets_remaining_args_and_its_status(commands, capsys):
+    commands(
+        "echo",
+        "agentrl_cli_test_echo:run",
+        """
+        def run(argv):
+            print("|".join(argv))
+            return 3
+        """,
+    )
+    assert cli.main(["echo", "a=1", "b=2"]) == 3
+    assert capsys.readouterr().out == "a=1|b=2\n"
+
+
+def test_config_error_from_any_subcommand_exits_2(commands, capsys):
+    commands(
+        "cfg",
+        "agentrl_cli_test_cfg:run",
+        """
+        from agentrl.config import load_config
+
+        def run(argv):
+            load_config(argv)
+        """,
+    )
+    assert cli.main(["cfg", "tranier.seed=1"]) == 2
+    assert "did you mean trainer.seed?" in capsys.readouterr().err
