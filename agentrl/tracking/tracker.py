@@ -77,8 +77,8 @@ class Tracker:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         values = {key: _to_float(key, value) for key, value in metrics.items()}
-        record: dict[str, float | None] = {"step": step}
-        record.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
+        record: dict[str, float | None] = {k: (v if math.isfinite(v) else None) for k, v in values.items()}
+        record = {"step": step, **{k: v for k, v in record.items() if k != "step"}}
         with self._history_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         # A step logged twice (a resumed run redoing steps after its checkpoint) keeps the later
