@@ -10,10 +10,36 @@ from agentrl.config.loading import (
     save_resolved_config,
     validate_config,
 )
-from agentrl.config.schema import AgentRLConfig
+from agentrl.config.schema import (
+    AgentConfig,
+    AgentRLConfig,
+    AlgorithmConfig,
+    DataConfig,
+    SFTConfig,
+    TrainerConfig,
+)
+from agentrl.config.schema_workers import (
+    ActorConfig,
+    ActorRolloutRefConfig,
+    CriticConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+)
 
 __all__ = [
+    "ActorConfig",
+    "ActorRolloutRefConfig",
+    "AgentConfig",
     "AgentRLConfig",
+    "AlgorithmConfig",
+    "CriticConfig",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "TrainerConfig",
     "ConfigError",
     "config_dir",
     "config_to_dict",

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from agentrl.config.errors import ConfigError
 
 if TYPE_CHECKING:
-    from agentrl.config.schema import ActorConfig, AgentRLConfig, CriticConfig
+    from agentrl.config.schema import AgentRLConfig
+    from agentrl.config.schema_workers import ActorConfig, CriticConfig
 
 _GROUP_ESTIMATORS = ("grpo", "rloo")
 

@@ -31,9 +31,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from agentrl.config._base import package_path
 from agentrl.config.errors import ConfigError
 from agentrl.config.problems import describe_unknown_key, format_validation_errors, schema_keys
-from agentrl.config.schema import AgentRLConfig, package_path
+from agentrl.config.schema import AgentRLConfig
 
 CONFIG_NAME = "agent_ppo_trainer"
 """Name (without .yaml) of the main config."""

@@ -33,7 +33,7 @@ def test_suggestion_falls_back_to_section_when_rest_is_wrong_too():
 
 def test_no_close_match_lists_valid_keys():
     message = describe_unknown_key("agent.zzzz")
-    assert "valid keys there: max_steps, n_parallel_tasks" in message
+    assert "valid keys there: flow, evaluator, max_steps, n_parallel_tasks" in message
 
 
 def test_value_used_as_section():

@@ -99,6 +99,7 @@ def test_interpolations_resolve_for_configs_built_in_python():
         ("actor_rollout_ref.model.target_modules", [], "at least one module"),
         ("data.train_batch_size", "eight", "valid integer"),
         ("trainer.nnodes", 0, "greater than or equal to 1"),
+        ("agent.flow", "agentrl.flow.SingleTurnChatFlow", "expected 'package.module:Name'"),
     ],
 )
 def test_bad_value_names_key_value_and_rule(problems_for, dotted, value, fragment):

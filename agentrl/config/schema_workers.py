@@ -1,0 +1,232 @@
+"""Config sections of the worker groups: policy model, actor, reference, rollout (actor_rollout_ref) and critic.
+
+Part of the schema (see schema.py); split out so each file stays readable.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from agentrl.config._base import KLType, LossAggMode
+from agentrl.config._base import Section as _Section
+
+# ------------------------------------------------------------------------------- actor_rollout_ref
+
+
+class ModelConfig(_Section):
+    path: str = Field("tiny:qwen2", min_length=1)
+    """HF hub id, local folder, or `tiny:<preset>[@seed]` (built offline)."""
+    tokenizer_path: str | None = None
+    """Tokenizer to load; null uses `path`."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the trained parameters."""
+    lora_rank: int = Field(0, ge=0)
+    """LoRA rank; 0 trains all weights, > 0 trains (and syncs) only the adapters."""
+    lora_alpha: int = Field(16, ge=1)
+    """LoRA scaling alpha."""
+    target_modules: str | list[str] = "all-linear"
+    """Modules LoRA adapts: `all-linear` or a list of module names."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    use_remove_padding: bool = True
+    """Pack sequences without padding for the forward pass."""
+    trust_remote_code: bool = False
+    """Allow model code from the checkpoint folder / hub."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty_modules(cls, value: str | list[str]) -> str | list[str]:
+        if not value:
+            raise ValueError("must name at least one module (or be `all-linear`)")
+        return value
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-6, gt=0.0)
+    """Peak learning rate (AdamW)."""
+    lr_warmup_steps: int = Field(-1, ge=-1)
+    """Linear warm-up steps; -1 uses `lr_warmup_steps_ratio` instead."""
+    lr_warmup_steps_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Warm-up as a fraction of the total training steps (when `lr_warmup_steps` is -1)."""
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    """Schedule after warm-up."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Cosine schedule floor, as a fraction of `lr`."""
+    weight_decay: float = Field(0.01, ge=0.0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError("each beta must be in [0, 1)")
+        return value
+
+
+class ActorFSDPConfig(_Section):
+    param_offload: bool = False
+    """Keep parameters on CPU between uses (saves device memory, costs time)."""
+    optimizer_offload: bool = False
+    """Keep optimizer state on CPU between steps."""
+
+
+class ActorConfig(_Section):
+    strategy: Literal["fsdp2"] = "fsdp2"
+    """Training backend (FSDP2 `fully_shard`)."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """Actor optimizer."""
+    ppo_mini_batch_size: int = Field(8, ge=1)
+    """Tasks (prompts) per optimizer step, as in verl: rows = this x rollout.n, split over devices."""
+    ppo_micro_batch_size_per_gpu: int = Field(4, ge=1)
+    """Rows per forward/backward on one device (gradient accumulation unit)."""
+    use_dynamic_bsz: bool = False
+    """Form micro-batches by token budget instead of row count."""
+    ppo_max_token_len_per_gpu: int = Field(4096, ge=1)
+    """Token budget per micro-batch when `use_dynamic_bsz` is on."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each rollout batch."""
+    clip_ratio: float = Field(0.2, gt=0.0)
+    """PPO clip epsilon (both sides unless overridden below)."""
+    clip_ratio_low: float | None = Field(None, gt=0.0)
+    """Lower clip epsilon; null uses `clip_ratio`."""
+    clip_ratio_high: float | None = Field(None, gt=0.0)
+    """Upper clip epsilon (clip-higher, DAPO); null uses `clip_ratio`."""
+    clip_ratio_c: float = Field(3.0, gt=1.0)
+    """Dual-clip bound for negative advantages (must be > 1)."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How token losses are averaged into the batch loss."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight (0 disables)."""
+    use_kl_loss: bool = False
+    """Add a KL(policy || reference) term to the actor loss (GRPO style)."""
+    kl_loss_coef: float = Field(0.001, ge=0.0)
+    """Weight of the KL loss."""
+    kl_loss_type: KLType = "low_var_kl"
+    """KL estimator: kl/k1, abs, mse/k2, low_var_kl/k3."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Max gradient norm."""
+    shuffle: bool = True
+    """Shuffle rows before splitting into mini-batches."""
+    fsdp_config: ActorFSDPConfig = Field(default_factory=ActorFSDPConfig)
+    """Actor FSDP memory options."""
+
+
+class RefFSDPConfig(_Section):
+    param_offload: bool = False
+    """Keep reference parameters on CPU between uses."""
+
+
+class RefConfig(_Section):
+    log_prob_micro_batch_size_per_gpu: int = Field(4, ge=1)
+    """Rows per reference log-prob forward on one device."""
+    fsdp_config: RefFSDPConfig = Field(default_factory=RefFSDPConfig)
+    """Reference model FSDP memory options."""
+
+
+class ValKwargsConfig(_Section):
+    temperature: float = Field(0.0, ge=0.0)
+    """Validation sampling temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Validation nucleus sampling threshold."""
+    top_k: int = Field(-1, ge=-1)
+    """Validation top-k; -1 disables."""
+    n: int = Field(1, ge=1)
+    """Samples per validation task."""
+    do_sample: bool = False
+    """Sample during validation; false decodes greedily."""
+
+
+class VLLMConfig(_Section):
+    python: str = Field(".venv-vllm/bin/python", min_length=1)
+    """Python interpreter of the environment that has vLLM (servers run as subprocesses)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments for `vllm serve`."""
+    startup_timeout: float = Field(300.0, gt=0.0)
+    """Seconds to wait for a vLLM server to become healthy."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"
+    """Dtype vLLM serves the policy in."""
+
+
+class RolloutConfig(_Section):
+    name: Literal["embedded", "vllm"] = "embedded"
+    """Inference engine: our transformers-based `embedded` engine or `vllm` servers."""
+    mode: Literal["async"] = "async"
+    """Rollout mode: server-based asynchronous rollout."""
+    n: int = Field(4, ge=1)
+    """Samples per task (the GRPO group size)."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Training sampling temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Training nucleus sampling threshold."""
+    top_k: int = Field(-1, ge=-1)
+    """Training top-k; -1 disables."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Most sequences an engine generates at once."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Engine context length; null means data.max_prompt_length + data.max_response_length."""
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    """Devices per vLLM server (tensor parallelism)."""
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    """Fraction of device memory vLLM may use."""
+    free_cache_engine: bool = True
+    """Free the engine's KV cache while training (hybrid engine sleep/wake)."""
+    num_servers: int = Field(1, ge=1)
+    """Inference servers behind the rollout pool."""
+    max_n_per_request: int = Field(16, ge=1)
+    """Largest `n` a single request to the server may ask for."""
+    val_kwargs: ValKwargsConfig = Field(default_factory=ValKwargsConfig)
+    """Sampling used during validation."""
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    """vLLM server options (used when name is vllm)."""
+
+
+class ActorRolloutRefConfig(_Section):
+    hybrid_engine: bool = True
+    """Colocate actor and rollout engine on the same devices, switching each step."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    """The trained policy."""
+    ref: RefConfig = Field(default_factory=RefConfig)
+    """The frozen reference policy (used when a KL term is on)."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Generation."""
+
+
+# -------------------------------------------------------------------------------------------- critic
+
+
+class CriticModelConfig(_Section):
+    path: str | None = None
+    """Critic initialisation; null uses actor_rollout_ref.model.path."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute critic activations in backward to save memory."""
+
+
+class CriticConfig(_Section):
+    model: CriticModelConfig = Field(default_factory=CriticModelConfig)
+    """The value model."""
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """Critic optimizer."""
+    ppo_mini_batch_size: int = Field(8, ge=1)
+    """Tasks (prompts) per critic optimizer step (rows = this x rollout.n)."""
+    ppo_micro_batch_size_per_gpu: int = Field(4, ge=1)
+    """Rows per critic forward/backward on one device."""
+    use_dynamic_bsz: bool = False
+    """Form critic micro-batches by token budget instead of row count."""
+    ppo_max_token_len_per_gpu: int = Field(4096, ge=1)
+    """Token budget per critic micro-batch when `use_dynamic_bsz` is on."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Critic passes over each rollout batch."""
+    cliprange_value: float = Field(0.5, gt=0.0)
+    """Value clipping range around the old values."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """How token value losses are averaged."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Max critic gradient norm."""
+    fsdp_config: ActorFSDPConfig = Field(default_factory=ActorFSDPConfig)
+    """Critic FSDP memory options."""
