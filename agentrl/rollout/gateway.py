@@ -348,3 +348,69 @@ def stream_completion(body: dict[str, Any], include_usage: bool) -> Iterator[str
     if include_usage:
         yield _sse({**base, "choices": [], "usage": body.get("usage")})
     yield "data: [DONE]\n\n"
+
+
+class Gateway:
+    """The gateway served from a thread of this process: the collector's `SessionBackend`.
+
+    `open_session` registers a session and returns its OpenAI base URL; `session_traces` reads the
+    traces straight from the in-process `TraceStore` (no HTTP); `close_session` forgets both the
+    traces and the session's server stickiness.
+    """
+
+    def __init__(
+        self,
+        pool: RolloutPool,
+        *,
+        sampling_train: SamplingParams,
+        sampling_val: SamplingParams | None = None,
+        trace_store: TraceStore | None = None,
+        max_n: int = 16,
+        allow_implicit_sessions: bool = False,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.pool = pool
+        self.trace_store = trace_store or TraceStore()
+        self.app = build_gateway_app(
+            pool, self.trace_store, sampling_train=sampling_train, sampling_val=sampling_val,
+            max_n=max_n, allow_implicit_sessions=allow_implicit_sessions,
+        )  # fmt: skip
+        self._host, self._port = host, port
+        self._handle: Any = None
+
+    def start(self) -> Gateway:
+        from agentrl.rollout.http_server import start_server_in_thread
+
+        self._handle = start_server_in_thread(self.app, self._host, self._port)
+        return self
+
+    @property
+    def url(self) -> str:
+        if self._handle is None:
+            raise RuntimeError("Gateway.start() has not been called")
+        return self._handle.url
+
+    def session_url(self, session_id: str) -> str:
+        return f"{self.url}/sessions/{session_id}/v1"
+
+    def open_session(self, session_id: str | None = None, mode: str = "train") -> str:
+        return self.session_url(self.trace_store.open_session(session_id, mode))
+
+    def session_traces(self, session_id: str) -> list[Trace]:
+        return self.trace_store.traces(session_id)
+
+    def close_session(self, session_id: str) -> None:
+        self.trace_store.close_session(session_id)
+        self.pool.forget_session(session_id)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.stop()
+            self._handle = None
+
+    def __enter__(self) -> Gateway:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

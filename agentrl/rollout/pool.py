@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -103,8 +104,9 @@ class RolloutPool:
         self._sticky: dict[str, ServerState] = {}
         self._admin = _AdminState()
         self._probes: set[asyncio.Task] = set()
-        self._client_: httpx.AsyncClient | None = None
-        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+            weakref.WeakKeyDictionary()
+        )
         self._transport = transport
 
     # ---- routing -------------------------------------------------------------------------------
@@ -194,22 +196,23 @@ class RolloutPool:
         return PoolResponse(503, {"error": {"message": message, "type": "ServiceUnavailable"}}, "", -1)
 
     def _client(self) -> httpx.AsyncClient:
-        """One client per event loop (the gateway's loop; tests may drive the pool from others)."""
+        """One client per event loop: the gateway's loop forwards while the trainer's loop may
+        broadcast weight updates from another thread at the same time."""
         loop = asyncio.get_running_loop()
-        if self._client_ is None or self._client_loop is not loop:
+        client = self._clients.get(loop)
+        if client is None:
             limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-            self._client_ = httpx.AsyncClient(
-                timeout=self.request_timeout, limits=limits, transport=self._transport
-            )
-            self._client_loop = loop
-        return self._client_
+            client = httpx.AsyncClient(timeout=self.request_timeout, limits=limits, transport=self._transport)
+            self._clients[loop] = client
+        return client
 
     async def aclose(self) -> None:
+        """Close this loop's HTTP client and cancel pending probes."""
         for task in list(self._probes):
             task.cancel()
-        if self._client_ is not None and self._client_loop is asyncio.get_running_loop():
-            await self._client_.aclose()
-        self._client_ = None
+        client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
 
     # ---- health --------------------------------------------------------------------------------
 
