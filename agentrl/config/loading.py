@@ -82,7 +82,7 @@ def load_config(overrides: Sequence[str] = (), config_path: str | os.PathLike | 
             raise ConfigError(f"config file {path} does not exist")
         search_dir, name = path.parent, path.stem
         if search_dir != main_dir and not any(o.split("=", 1)[0] == "hydra.searchpath" for o in overrides):
-            overrides.append(f"hydra.searchpath=[file://{main_dir}]")
+            overrides.append(f"hydra.searchpath=['file://{main_dir}']")
     _check_override_keys(overrides, [main_dir, search_dir])
     composed = _compose(search_dir, name, overrides)
     return validate_config(_to_container(composed))
@@ -115,11 +115,18 @@ def _check_override_keys(overrides: list[str], search_dirs: list[Path]) -> None:
         key = override.key_or_group
         if key in known or key.split(".")[0] == "hydra":
             continue
-        if any((d / key.split(".")[0]).is_dir() for d in search_dirs):  # a Hydra config group
+        if _is_group_override(key, search_dirs):
             continue
         problems.append(f"{describe_unknown_key(key)} (from override {line!r})")
     if problems:
         raise ConfigError(problems)
+
+
+def _is_group_override(key: str, search_dirs: list[Path]) -> bool:
+    """`group=option`, `group/sub=option` or `group@pkg=option`: Hydra checks those against its folders."""
+    if "/" in key or "@" in key:
+        return True
+    return "." not in key and any((d / key).is_dir() for d in search_dirs)
 
 
 @contextmanager

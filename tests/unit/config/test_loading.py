@@ -124,6 +124,22 @@ def test_unknown_key_in_config_file_is_named(tmp_path):
         load_config(config_path=path)
 
 
+def test_config_file_next_to_folders_still_gets_key_suggestions(tmp_path):
+    (tmp_path / "data").mkdir()  # a folder named like a section must not hide typos in that section
+    path = _write(tmp_path / "exp.yaml", f"defaults:\n  - {CONFIG_NAME}\n  - _self_\n")
+    with pytest.raises(ConfigError, match=r"did you mean data\.train_files\?"):
+        load_config(["data.trian_files=x"], config_path=path)
+
+
+def test_main_config_in_a_folder_with_spaces_and_commas(tmp_path, monkeypatch):
+    main = _write(tmp_path / "main cfg, v2" / f"{CONFIG_NAME}.yaml", MAIN_YAML.read_text())
+    monkeypatch.setenv("AGENTRL_CONFIG_DIR", str(main.parent))
+    path = _write(
+        tmp_path / "exp" / "exp.yaml", f"defaults:\n  - {CONFIG_NAME}\n  - _self_\nsft:\n  lr: 0.5\n"
+    )
+    assert load_config(config_path=path).sft.lr == 0.5
+
+
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(config_path="/nonexistent/cfg.yaml")

@@ -8,7 +8,7 @@ import types
 import pytest
 from pydantic import BaseModel
 
-from agentrl.config import AgentRLConfig, ConfigError, validate_config
+from agentrl.config import AgentRLConfig, validate_config
 from agentrl.config.problems import schema_keys
 from agentrl.config.schema import BUILTIN_ADVANTAGE_ESTIMATORS
 
@@ -161,8 +161,3 @@ def test_field_errors_are_all_reported_together(problems_for):
     assert len(problems) == 4
     for key in ["lora_rank", "trainer.device", "agent.timeout", "data.seed"]:
         assert any(key in p for p in problems), key
-
-
-def test_config_error_renders_every_problem():
-    err = ConfigError(["a.b=1 is bad", "c.d=2 is bad"])
-    assert str(err) == "invalid configuration (2 problems):\n  - a.b=1 is bad\n  - c.d=2 is bad"
