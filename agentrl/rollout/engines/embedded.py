@@ -25,7 +25,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -80,6 +81,7 @@ class EmbeddedEngine:
         self._batch: PaddedBatch | None = None
         self._asleep = False
         self._closed = False
+        self._admin_waiting = 0
         self._tokens_generated = 0
         self._sequences_finished = 0
         self._recent: deque[tuple[float, int]] = deque()
@@ -159,7 +161,9 @@ class EmbeddedEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._rows and (self._asleep or not self._waiting):
+                while not self._closed and (
+                    self._admin_waiting or (not self._rows and (self._asleep or not self._waiting))
+                ):
                     self._cond.wait()
                 if self._closed:
                     break
@@ -262,10 +266,27 @@ class EmbeddedEngine:
         """Completion text of `token_ids` as `generate` reports it (control tokens dropped)."""
         return self._detok.decode(token_ids)
 
+    @contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """Hold the step lock for an admin operation; the scheduler yields it at the next step boundary.
+
+        Without the hand-off the scheduler thread would re-take the (unfair) lock after every step
+        and a weight update would wait until the engine went idle.
+        """
+        with self._cond:
+            self._admin_waiting += 1
+        try:
+            with self._step_lock:
+                yield
+        finally:
+            with self._cond:
+                self._admin_waiting -= 1
+                self._cond.notify_all()
+
     # ----- weights, adapters, memory ----------------------------------------------------------
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
         """Load full weights in place between two decode steps; returns the new policy version."""
-        with self._step_lock:
+        with self._between_steps():
             load_weights_in_place(self.model, state_dict)
             self._lora.forget_base()
             self.policy_version += 1
@@ -277,7 +298,7 @@ class EmbeddedEngine:
         Merged, not served through peft: decoding stays as fast as the base model, and one adapter
         is active at a time (what RL needs: the latest adapter). Returns the new policy version.
         """
-        with self._step_lock:
+        with self._between_steps():
             self._lora.merge(self.model, name, path)
             self.policy_version += 1
             return self.policy_version
@@ -289,12 +310,12 @@ class EmbeddedEngine:
 
     def weights_fingerprint(self) -> str:
         """`fingerprint_state_dict` of the served weights; equals the trainer's for the same weights."""
-        with self._step_lock:
+        with self._between_steps():
             return fingerprint_state_dict(self.model.state_dict())
 
     def sleep(self) -> None:
         """Free generation memory (KV cache; on CUDA also move weights to CPU). Needs no running rows."""
-        with self._step_lock:
+        with self._between_steps():
             if self._rows:
                 raise RuntimeError(f"cannot sleep: {len(self._rows)} sequences are running")
             with self._cond:
@@ -306,7 +327,7 @@ class EmbeddedEngine:
 
     def wake_up(self) -> None:
         """Undo `sleep`; requests that arrived meanwhile start now."""
-        with self._step_lock:
+        with self._between_steps():
             if self._device.type == "cuda":
                 self.model.to(self._device)
             with self._cond:

@@ -1,0 +1,214 @@
+"""The embedded engine against the model itself: greedy, logprobs, seeds, stops, weights, LoRA, sleep."""
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from agentrl.models import load_causal_lm, load_tokenizer
+from agentrl.rollout.engines.embedded import EmbeddedEngine, fingerprint_state_dict
+from agentrl.types import SamplingParams
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny:qwen2-mini"
+QUESTIONS = ["What is 2+3?", "Alice has 5 apples and buys 7 more. How many now?", "Hi", "Count: 1 2 3"]
+
+
+def _diverse_model(seed: int = 0):
+    """The tiny preset with larger random weights, so greedy text varies (the stock init repeats '\\n')."""
+    model = load_causal_lm(MODEL)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(MODEL)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _diverse_model()
+
+
+@pytest.fixture
+def engine(model, tokenizer):
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=16, max_model_len=128)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)[
+            "input_ids"
+        ]
+        for q in QUESTIONS
+    ]
+
+
+def _teacher_forced_logprobs(model, prompt, completion):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_greedy_equals_model_generate_while_batched_with_sampling(engine, model, prompts):
+    async def run():
+        greedy = [engine.generate(p, SamplingParams(temperature=0.0, max_tokens=24)) for p in prompts]
+        noise = [engine.generate(p, SamplingParams(temperature=1.0, max_tokens=30, n=2)) for p in prompts]
+        return await asyncio.gather(*greedy, *noise)
+
+    results = asyncio.run(run())[: len(prompts)]
+    distinct = set()
+    for prompt, (out,) in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24)[0, len(prompt) :]
+        assert out.token_ids == ref.tolist()
+        distinct.add(tuple(out.token_ids))
+    assert len(distinct) == len(prompts)  # the test model really says different things
+
+
+def test_sampled_logprobs_match_teacher_forcing(engine, model, prompts):
+    async def run():
+        settings = [
+            SamplingParams(temperature=1.0, max_tokens=40, n=2),
+            SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_tokens=33, seed=1),
+        ]
+        calls = [engine.generate(p, s, top_logprobs=2) for p in prompts for s in settings]
+        return await asyncio.gather(*calls)
+
+    worst, checked = 0.0, 0
+    for (prompt, _), outputs in zip(
+        [(p, s) for p in prompts for s in range(2)], asyncio.run(run()), strict=True
+    ):
+        for out in outputs:
+            assert len(out.logprobs) == len(out.token_ids) == len(out.top_logprobs)
+            reference = _teacher_forced_logprobs(model, prompt, out.token_ids)
+            worst = max(worst, (reference - torch.tensor(out.logprobs)).abs().max().item())
+            checked += len(out.token_ids)
+    assert checked > 200
+    assert worst < 1e-4
+
+
+def test_seed_reproducible_alone_or_in_a_crowd(engine, prompts):
+    params = SamplingParams(temperature=1.0, max_tokens=20, seed=123, n=2)
+
+    async def alone():
+        return await engine.generate(prompts[0], params)
+
+    async def crowd():
+        others = [engine.generate(p, SamplingParams(temperature=1.0, max_tokens=25)) for p in prompts]
+        return (await asyncio.gather(engine.generate(prompts[0], params), *others))[0]
+
+    first, second = asyncio.run(alone()), asyncio.run(crowd())
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert first[0].token_ids != first[1].token_ids  # completion i uses seed + i
+
+
+def test_stop_string_stop_token_and_length(engine, prompts):
+    reference = asyncio.run(engine.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=30)))[0]
+    assert reference.finish_reason == "length" and len(reference.token_ids) == 30
+    text = reference.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = text.index(stop)
+    out = asyncio.run(
+        engine.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=30, stop=[stop]))
+    )[0]
+    assert out.finish_reason == "stop" and out.text == text[:cut]
+    # token ids keep the tokens that spelled the stop string (they match their logprobs)
+    assert out.token_ids == reference.token_ids[: len(out.token_ids)]
+    assert stop in engine.decode(out.token_ids) and stop not in engine.decode(out.token_ids[:-1])
+
+    stop_id = reference.token_ids[5]
+    first = reference.token_ids.index(stop_id)
+    params = SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop_id])
+    out = asyncio.run(engine.generate(prompts[1], params))[0]
+    assert out.finish_reason == "stop" and out.token_ids == reference.token_ids[: first + 1]
+
+
+def test_prompt_limits(engine, prompts):
+    with pytest.raises(ValueError, match="prompt has 128 tokens; max_model_len is 128"):
+        asyncio.run(engine.generate([5] * 128, SamplingParams()))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        asyncio.run(engine.generate([5, 999999], SamplingParams()))
+    out = asyncio.run(engine.generate([5] * 120, SamplingParams(temperature=0.0, max_tokens=64)))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 8  # clamped at max_model_len
+
+
+def test_update_weights_changes_output_version_and_fingerprint(engine, prompts):
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    before = asyncio.run(engine.generate(prompts[0], greedy))[0].token_ids
+    new_state = _diverse_model(seed=1).state_dict()
+    assert engine.weights_fingerprint() != fingerprint_state_dict(new_state)
+    assert engine.update_weights(new_state) == 1 and engine.policy_version == 1
+    assert engine.weights_fingerprint() == fingerprint_state_dict(new_state)
+    after = asyncio.run(engine.generate(prompts[0], greedy))[0].token_ids
+    assert after != before
+
+
+def test_lora_adapter_changes_output_and_replaces_the_previous_one(engine, prompts, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    def save_adapter(name, random_b):
+        base = copy.deepcopy(engine.model)
+        torch.manual_seed(0)
+        config = LoraConfig(
+            r=4,
+            lora_alpha=16,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+            init_lora_weights=not random_b,
+        )
+        peft_model = get_peft_model(base, config)
+        if random_b:
+            with torch.no_grad():
+                for n, p in peft_model.named_parameters():
+                    if "lora_B" in n:
+                        p.normal_(0, 0.5)
+        peft_model.save_pretrained(str(tmp_path / name))
+        return str(tmp_path / name)
+
+    strong, identity = save_adapter("strong", True), save_adapter("identity", False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    base_out = asyncio.run(engine.generate(prompts[0], greedy))[0].token_ids
+    base_fp = engine.weights_fingerprint()
+    assert engine.load_lora_adapter("strong", strong) == 1 and engine.lora_adapter == "strong"
+    assert asyncio.run(engine.generate(prompts[0], greedy))[0].token_ids != base_out
+    assert engine.weights_fingerprint() != base_fp
+    assert type(engine.model).__name__ == "Qwen2ForCausalLM"  # merged, not wrapped
+    engine.load_lora_adapter("identity", identity)  # B = 0: restores the base, adds nothing
+    assert asyncio.run(engine.generate(prompts[0], greedy))[0].token_ids == base_out
+    assert engine.weights_fingerprint() == base_fp
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        engine.load_lora_adapter("x", str(tmp_path))
+
+
+def test_sleep_holds_requests_until_wake_up(engine, prompts):
+    async def run():
+        engine.sleep()
+        assert engine.is_sleeping
+        task = asyncio.create_task(engine.generate(prompts[0], SamplingParams(max_tokens=5)))
+        await asyncio.sleep(0.3)
+        assert not task.done() and engine.stats()["waiting"] == 1
+        engine.wake_up()
+        out = await asyncio.wait_for(task, 30)
+        assert len(out[0].token_ids) == 5
+        long_run = SamplingParams(temperature=0.0, max_tokens=100)
+        assert (await engine.generate(prompts[1], long_run))[0].finish_reason == "length"  # no early EOS
+        busy = asyncio.create_task(engine.generate(prompts[1], long_run))
+        while engine.stats()["running"] == 0:
+            await asyncio.sleep(0.001)
+        with pytest.raises(RuntimeError, match="cannot sleep"):
+            engine.sleep()
+        await busy
+        while engine.stats()["running"]:
+            await asyncio.sleep(0.001)
+
+    asyncio.run(run())
+    assert engine.stats()["kv_slots"] == 0 and engine.stats()["tokens_generated"] > 0  # cache freed
