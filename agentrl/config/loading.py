@@ -71,6 +71,8 @@ def load_config(overrides: Sequence[str] = (), config_path: str | os.PathLike | 
     Raises ConfigError listing every problem: unparsable or unknown override keys (with the closest
     valid key), bad values (key, value, what is allowed), and cross-field rule violations.
     """
+    if isinstance(overrides, str):
+        raise TypeError(f"overrides must be a list of 'key=value' strings, got the string {overrides!r}")
     register_resolvers()
     overrides = list(overrides)
     main_dir = config_dir()
