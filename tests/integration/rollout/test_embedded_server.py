@@ -1,0 +1,238 @@
+"""The embedded server through the official openai client (sync and async), plus raw HTTP for bad input."""
+
+import asyncio
+import copy
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from agentrl.models import load_causal_lm, load_tokenizer
+from agentrl.rollout.chat import render_chat
+from agentrl.rollout.engines.embedded import EmbeddedEngine, fingerprint_state_dict
+from agentrl.rollout.http_server import start_server_in_thread
+from agentrl.rollout.server import build_server_app
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny:qwen2-mini"
+USER = [{"role": "user", "content": "Alice has 5 apples and buys 7 more. How many now?"}]
+
+
+def _diverse_model(seed: int = 0):
+    """The tiny preset with larger random weights, so greedy text varies (the stock init repeats '\\n')."""
+    model = load_causal_lm(MODEL)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(MODEL)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _diverse_model()
+
+
+def _serve(model, tokenizer, max_model_len=256):
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=64, max_model_len=max_model_len)
+    app = build_server_app(engine, tokenizer, model_name="tiny", max_model_len=max_model_len, max_n=4)
+    return engine, start_server_in_thread(app)
+
+
+@pytest.fixture(scope="module")
+def server(model, tokenizer):
+    engine, handle = _serve(model, tokenizer)
+    yield handle
+    handle.stop()
+    engine.close()
+
+
+@pytest.fixture
+def admin_server(model, tokenizer):
+    engine, handle = _serve(model, tokenizer)
+    yield engine, handle
+    handle.stop()
+    engine.close()
+
+
+def _client(handle):
+    return openai.OpenAI(base_url=handle.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_returns_token_ids_and_exact_logprobs(server, model, tokenizer):
+    reply = _client(server).chat.completions.create(
+        model="tiny", messages=USER, max_completion_tokens=24, temperature=0.9, seed=4, n=2, logprobs=True,
+        top_logprobs=3, extra_body={"return_token_ids": True})
+    extra = reply.model_extra
+    prompt = render_chat(tokenizer, USER)
+    assert extra["prompt_token_ids"] == prompt and extra["policy_version"] == 0
+    assert reply.usage.prompt_tokens == len(prompt)
+    for choice in reply.choices:
+        ids = choice.model_extra["token_ids"]
+        assert len(ids) == len(choice.logprobs.content) <= 24 and choice.message.role == "assistant"
+        assert all(len(e.top_logprobs) == 3 for e in choice.logprobs.content)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+        reference = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+        served = torch.tensor([e.logprob for e in choice.logprobs.content])
+        assert (reference - served).abs().max().item() < 1e-4
+    assert reply.choices[0].model_extra["token_ids"] != reply.choices[1].model_extra["token_ids"]
+
+
+def test_async_client_chat_and_completions_text_and_token_ids(server, tokenizer):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        chat = await client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=0)
+        text = await client.completions.create(model="tiny", prompt="Bob has", max_tokens=6, temperature=0,
+                                               logprobs=2, extra_body={"return_token_ids": True})
+        ids = await client.completions.create(model="tiny", prompt=[[10, 11, 12], [13, 14]], max_tokens=5, n=2,
+                                              temperature=1.0, extra_body={"return_token_ids": True})
+        await client.close()
+        return chat, text, ids
+
+    chat, text, ids = asyncio.run(run())
+    assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("length", "stop")
+    choice = text.choices[0]
+    assert choice.model_extra["prompt_token_ids"] == tokenizer("Bob has")["input_ids"]
+    assert len(choice.model_extra["token_ids"]) == len(choice.logprobs.token_logprobs) == 6
+    assert [c.index for c in ids.choices] == [0, 1, 2, 3]
+    assert [c.model_extra["prompt_token_ids"] for c in ids.choices] == [[10, 11, 12]] * 2 + [[13, 14]] * 2
+    assert ids.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in ids.choices)
+
+
+def test_streaming_chat_assembles_to_the_non_streamed_answer(server):
+    client = _client(server)
+    kwargs = {"model": "tiny", "messages": USER, "max_tokens": 20, "temperature": 0, "stop": ["apples"]}
+    whole = client.chat.completions.create(**kwargs, extra_body={"return_token_ids": True})
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"return_token_ids": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].model_extra["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    token_ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    assert content == whole.choices[0].message.content
+    assert token_ids == whole.choices[0].model_extra["token_ids"]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(token_ids)
+
+
+def test_streaming_completions(server):
+    client = _client(server)
+    whole = client.completions.create(model="tiny", prompt="Count", max_tokens=10, temperature=0)
+    stream = client.completions.create(model="tiny", prompt="Count", max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
+
+
+def test_tool_call_round_trip_history(server, tokenizer):
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers",
+                                               "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    messages = [*USER,
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_abc", "type": "function",
+                 "function": {"name": "add", "arguments": '{"a": 5, "b": 7}'}}]},
+                {"role": "tool", "tool_call_id": "call_abc", "content": "12"}]
+    client = _client(server)
+    reply = client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=8,
+                                           extra_body={"return_token_ids": True})
+    prompt = reply.model_extra["prompt_token_ids"]
+    assert prompt == render_chat(tokenizer, messages, tools=tools)
+    rendered = tokenizer.decode(prompt)
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 5, "b": 7}}\n</tool_call>' in rendered
+    assert "<tool_response>\n12\n</tool_response>" in rendered and '"description": "Add two numbers"' in rendered
+    streamed = list(client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=8,
+                                                   stream=True))
+    assert streamed[-1].choices[0].finish_reason in ("length", "stop", "tool_calls")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice="required")
+    assert info.value.body["param"] == "tool_choice"
+
+
+def test_64_concurrent_requests_all_complete(server):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        calls = [client.chat.completions.create(model="tiny", max_tokens=16, seed=i,
+                                                messages=[{"role": "user", "content": f"Question {i}"}])
+                 for i in range(64)]
+        replies = await asyncio.gather(*calls)
+        await client.close()
+        return replies
+
+    replies = asyncio.run(run())
+    assert len(replies) == 64 and all(r.choices[0].finish_reason in ("length", "stop") for r in replies)
+    assert all(r.usage.completion_tokens >= 1 for r in replies)
+
+
+BAD = [
+    ("{not json", None, "invalid JSON body"),
+    (json.dumps({"messages": USER, "temperature": "hot"}), "temperature", "temperature: Input should be a valid number"),
+    (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), "messages.0.role", "messages.0.role"),
+    (json.dumps({"messages": [{"role": "user", "content": "many words " * 300}]}), "messages", "max_model_len is 256"),
+    (json.dumps({"messages": USER, "n": 9}), "n", "n: 9 is above"),
+]
+
+
+def test_bad_inputs_get_400_naming_the_field_while_good_requests_succeed(server):
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            good = [http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 12}) for _ in range(8)]
+            bad = [http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+                   for body, _, _ in BAD]
+            too_long = http.post("/v1/completions", json={"prompt": list(range(300)), "max_tokens": 2})
+            return await asyncio.gather(*good, *bad, too_long)
+
+    responses = asyncio.run(run())
+    assert all(r.status_code == 200 and r.json()["choices"] for r in responses[:8])
+    for response, (_, param, text) in zip(responses[8:-1], BAD, strict=True):
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["code"] == 400, response.text
+        assert text in error["message"] and error["param"] == param
+    assert responses[-1].status_code == 400 and "300 tokens" in responses[-1].json()["error"]["message"]
+
+
+def test_admin_routes(admin_server, tmp_path, tokenizer):
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+
+    engine, handle = admin_server
+    client = _client(handle)
+
+    def greedy():
+        reply = client.chat.completions.create(model="tiny", messages=USER, max_tokens=12, temperature=0)
+        return reply.choices[0].message.content, reply.model_extra["policy_version"]
+
+    models = httpx.get(handle.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["tiny"] and models[0]["max_model_len"] == 256
+    before, version = greedy()
+    assert version == 0
+    new_state = {k: v.clone() for k, v in _diverse_model(seed=3).state_dict().items()}
+    save_file(new_state, str(tmp_path / "model.safetensors"))
+    update = httpx.post(handle.url + "/update_weights", json={"path": str(tmp_path)}, timeout=60).json()
+    assert update == {"policy_version": 1, "weights_fingerprint": fingerprint_state_dict(new_state)}
+    after, version = greedy()
+    assert version == 1 and after != before
+    bad = httpx.post(handle.url + "/update_weights", json={"path": str(tmp_path / "nope")})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "path"
+
+    peft_model = get_peft_model(copy.deepcopy(engine.model), LoraConfig(r=4, target_modules=["q_proj", "o_proj"],
+                                                                      init_lora_weights=False))
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    loaded = httpx.post(handle.url + "/v1/load_lora_adapter",
+                        json={"lora_name": "mine", "lora_path": str(tmp_path / "adapter")}, timeout=60)
+    assert loaded.status_code == 200 and loaded.json()["policy_version"] == 2
+    assert greedy()[0] != after
+    assert [m["id"] for m in httpx.get(handle.url + "/v1/models").json()["data"]] == ["tiny", "mine"]
+
+    assert httpx.post(handle.url + "/sleep").json() == {"is_sleeping": True}
+    assert httpx.get(handle.url + "/is_sleeping").json() == {"is_sleeping": True}
+    assert httpx.post(handle.url + "/wake_up").json() == {"is_sleeping": False}
+    metrics = httpx.get(handle.url + "/metrics").json()
+    assert metrics["policy_version"] == 2 and metrics["lora_adapter"] == "mine" and metrics["tokens_generated"] > 0
+    assert metrics["weights_fingerprint"] == engine.weights_fingerprint()
