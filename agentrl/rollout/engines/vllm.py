@@ -28,6 +28,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
 _LOG_TAIL_LINES = 40
@@ -290,3 +291,21 @@ def _install_exit_handlers() -> None:
                 os.kill(os.getpid(), signum)
 
         signal.signal(sig, _handler)
+
+
+def save_weights_for_vllm(state_dict: dict[str, Any], folder: str | os.PathLike) -> Path:
+    """Write a full state dict (HF names) as `model.safetensors` that vLLM's in-place reload loads.
+
+    vLLM 0.32's `reload_weights` restores any layer the checkpoint has no tensor for to its
+    previous values, and a tied `lm_head` has none: it would keep the old embedding while
+    `embed_tokens` gets the new one. So `lm_head.weight` is written out explicitly.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in state_dict.items()}
+    if "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder

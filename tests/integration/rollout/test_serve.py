@@ -1,0 +1,109 @@
+"""`agentrl serve` as a user runs it: start, health, a chat call, traces, Ctrl-C, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agentrl.rollout.engines.vllm import group_alive
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[3]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def _start_serve(args: list[str], timeout: float) -> tuple[subprocess.Popen, str, list[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl.cli", "serve", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if m := re.search(r"behind the gateway at (http://127\.0\.0\.1:\d+)", line):
+            return proc, m.group(1), lines
+    proc.kill()
+    raise AssertionError("agentrl serve did not print its base URL:\n" + "".join(lines))
+
+
+def _interrupt(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    return out
+
+
+def test_serve_embedded_two_servers(tmp_path: Path) -> None:
+    proc, base, lines = _start_serve(
+        ["--model", "tiny:qwen2-mini", "--servers", "2", "--max-tokens", "5"], 120
+    )
+    try:
+        usage = "".join(lines) + proc.stdout.readline() + proc.stdout.readline()
+        assert f"{base}/sessions/<id>/v1" in usage and f"GET {base}/sessions/<id>/traces" in usage
+        health = httpx.get(f"{base}/health").json()
+        assert health["status"] == "ok" and len(health["servers"]) == 2
+        r = httpx.post(
+            f"{base}/sessions/demo/v1/chat/completions",
+            json={"model": "tiny:qwen2-mini", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        traces = httpx.get(f"{base}/sessions/demo/traces").json()
+        assert len(traces) == 1 and 1 <= len(traces[0]["completion_ids"]) <= 5
+        assert len(traces[0]["logprobs"]) == len(traces[0]["completion_ids"])
+    finally:
+        out = _interrupt(proc)
+    assert proc.returncode == 0, out
+    assert "stopping" in out
+    assert not group_alive(proc.pid)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{base}/health", timeout=2)
+
+
+@pytest.mark.vllm
+def test_serve_vllm_sigint_leaves_no_process(tmp_path: Path) -> None:
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"{VLLM_PYTHON} missing: build the vLLM environment with `make setup-vllm`")
+    args = ["--model", "tiny:qwen2", "--engine", "vllm", "--servers", "1", "--max-tokens", "4",
+            "--log-dir", str(tmp_path)]  # fmt: skip
+    proc, base, _ = _start_serve(args, 300)
+    try:
+        port = re.search(r":(\d+)$", httpx.get(f"{base}/health").json()["servers"][0]["url"])[1]
+        r = httpx.post(f"{base}/sessions/s/v1/completions", json={"prompt": "hello"}, timeout=60)
+        assert r.status_code == 200, r.text
+        vllm_log = next(tmp_path.glob("vllm_*.log"))
+        assert vllm_log.name == f"vllm_{port}.log"
+        vllm_pgids = _pgids_with_cmdline("vllm.entrypoints.openai.api_server", f"--port {port} ")
+        assert vllm_pgids, "the vLLM server process was not found"
+    finally:
+        out = _interrupt(proc)
+    assert proc.returncode == 0, out
+    for pgid in vllm_pgids:
+        assert not group_alive(pgid), f"vLLM process group {pgid} survived Ctrl-C"
+
+
+def _pgids_with_cmdline(*needles: str) -> set[int]:
+    """Process groups of processes whose command line contains every needle."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                if all(n in cmd for n in needles):
+                    found.add(os.getpgid(int(entry)))
+            except (OSError, ProcessLookupError):
+                continue
+    return found
