@@ -1,0 +1,193 @@
+"""Gateway pieces: sampling enforcement, trace extraction, response stripping, SSE, sessions, TraceStore.
+
+The HTTP tests put the gateway in front of a small in-process server that answers like vLLM 0.32
+(`prompt_token_ids` top-level for chat, per choice for completions; `choices[i].token_ids`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+
+from agentrl.rollout.gateway import (
+    _ChatBody,
+    _CompletionBody,
+    build_gateway_app,
+    build_upstream_body,
+    extract_traces,
+    stream_chat,
+    strip_response,
+)
+from agentrl.rollout.pool import RolloutPool
+from agentrl.rollout.traces import TraceStore, UnknownSessionError
+from agentrl.types import SamplingParams, Trace
+
+TRAIN = SamplingParams(temperature=0.9, top_p=0.8, top_k=20, max_tokens=16, stop=["</answer>"], seed=7)
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _chat_response() -> dict:
+    lp = {"content": [{"token": "a", "logprob": -0.5}, {"token": "b", "logprob": -1.25}]}
+    return {
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+        "prompt_token_ids": [1, 2, 3],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ab"}, "logprobs": lp,
+                     "finish_reason": "length", "token_ids": [10, 11]}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+    }  # fmt: skip
+
+
+def test_upstream_body_enforces_the_modes_sampling() -> None:
+    raw = {"messages": MSG, "temperature": 0.0, "top_p": 0.1, "max_completion_tokens": 500, "stop": "\n",
+           "stream": True, "stream_options": {"include_usage": True}, "model": "gpt-4", "n": 2}  # fmt: skip
+    body = build_upstream_body(raw, _ChatBody.model_validate(raw), TRAIN, "served", chat=True)
+    assert body == {
+        "messages": MSG, "model": "served", "n": 2, "stream": False, "temperature": 0.9, "top_p": 0.8,
+        "top_k": 20, "max_tokens": 16, "stop": ["\n", "</answer>"], "stop_token_ids": [],
+        "return_token_ids": True, "seed": 7, "logprobs": True,
+    }  # fmt: skip
+    raw = {"prompt": "x", "max_tokens": 3, "seed": 1, "logprobs": 2}
+    body = build_upstream_body(raw, _CompletionBody.model_validate(raw), TRAIN, "served", chat=False)
+    assert (body["max_tokens"], body["seed"], body["logprobs"]) == (
+        3,
+        1,
+        2,
+    )  # client's smaller cap and seed kept
+    raw = {"prompt": [1, 2]}
+    body = build_upstream_body(raw, _CompletionBody.model_validate(raw), TRAIN, "served", chat=False)
+    assert (body["max_tokens"], body["logprobs"]) == (16, 1)
+
+
+def test_extract_traces_reads_vllm_fields_and_checks_lengths() -> None:
+    (t,) = extract_traces(_chat_response(), "s", chat=True, messages=MSG)
+    assert (t.prompt_ids, t.completion_ids, t.logprobs) == ([1, 2, 3], [10, 11], [-0.5, -1.25])
+    assert (t.finish_reason, t.completion_text, t.request_id, t.messages) == (
+        "length",
+        "ab",
+        "chatcmpl-1",
+        MSG,
+    )
+    comp = {"id": "c", "choices": [
+        {"index": 0, "text": "x", "prompt_token_ids": [4], "token_ids": [5], "finish_reason": "stop",
+         "logprobs": {"token_logprobs": [-0.1], "tokens": ["x"]}},
+        {"index": 1, "text": "yz", "prompt_token_ids": [4], "token_ids": [6, 7], "finish_reason": "length",
+         "logprobs": {"token_logprobs": [-0.2, -0.3], "tokens": ["y", "z"]}}]}  # fmt: skip
+    traces = extract_traces(comp, "s", chat=False)
+    assert [(t.choice_index, t.completion_ids, t.logprobs) for t in traces] == [
+        (0, [5], [-0.1]), (1, [6, 7], [-0.2, -0.3])]  # fmt: skip
+    bad = _chat_response()
+    del bad["prompt_token_ids"]
+    with pytest.raises(ValueError, match="lacks prompt_token_ids"):
+        extract_traces(bad, "s", chat=True)
+    bad = _chat_response()
+    bad["choices"][0]["token_ids"] = [10]
+    with pytest.raises(ValueError, match="1 token ids but 2 logprobs"):
+        extract_traces(bad, "s", chat=True)
+
+
+def test_strip_response_removes_what_the_client_did_not_ask_for() -> None:
+    plain = strip_response(_chat_response(), _ChatBody.model_validate({"messages": MSG}), chat=True)
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    assert plain["choices"][0]["logprobs"] is None
+    asked = _ChatBody.model_validate({"messages": MSG, "logprobs": True, "return_token_ids": True})
+    assert strip_response(_chat_response(), asked, chat=True) == _chat_response()
+
+
+def test_stream_chat_emits_openai_chunks() -> None:
+    body = strip_response(_chat_response(), _ChatBody.model_validate({"messages": MSG}), chat=True)
+    events = list(stream_chat(body, include_usage=True))
+    assert events[-1] == "data: [DONE]\n\n"
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert [c["choices"][0]["delta"] for c in chunks[:3]] == [
+        {"role": "assistant", "content": ""},
+        {"content": "ab"},
+        {},
+    ]
+    assert chunks[2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[3]["choices"] == [] and chunks[3]["usage"]["completion_tokens"] == 2
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-1" for c in chunks)
+
+
+@pytest.fixture
+def gateway_client():
+    upstream = FastAPI()
+    seen: list[dict] = []
+
+    @upstream.post("/v1/chat/completions")
+    async def chat(request: Request) -> dict:
+        seen.append(await request.json())
+        return _chat_response()
+
+    pool = RolloutPool(["http://srv"], model_name="m", transport=httpx.ASGITransport(upstream))
+    store = TraceStore()
+    app = build_gateway_app(pool, store, sampling_train=TRAIN, max_n=2)
+    return app, store, seen
+
+
+def _call(app, method: str, url: str, **kw) -> httpx.Response:
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
+            return await c.request(method, url, **kw)
+
+    return asyncio.run(go())
+
+
+def test_sessions_must_be_opened_and_modes_switch_sampling(gateway_client) -> None:
+    app, store, seen = gateway_client
+    r = _call(app, "POST", "/sessions/nope/v1/chat/completions", json={"messages": MSG})
+    assert r.status_code == 404 and "unknown session 'nope'" in r.json()["error"]["message"]
+    sid = _call(app, "POST", "/sessions", json={"mode": "val"}).json()["session_id"]
+    assert store.mode(sid) == "validation"
+    r = _call(app, "POST", f"/sessions/{sid}/v1/chat/completions", json={"messages": MSG, "temperature": 1.5})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ab"
+    assert (seen[-1]["temperature"], seen[-1]["max_tokens"]) == (0.0, 16)  # validation: greedy, train's cap
+    (trace,) = json.loads(_call(app, "GET", f"/sessions/{sid}/traces").text)
+    assert Trace.model_validate(trace).server == "http://srv"
+    r = _call(app, "POST", "/sessions", json={"session_id": "mine", "extra": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "extra"
+    assert (
+        _call(app, "POST", "/sessions", json={"session_id": "mine"}).json()["base_url"] == "/sessions/mine/v1"
+    )
+    r = _call(app, "POST", "/sessions/mine/v1/chat/completions", json={"messages": MSG, "n": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and len(seen) == 1
+
+
+def test_implicit_sessions_open_on_first_use() -> None:
+    pool = RolloutPool(["http://srv"], model_name="m")
+    store = TraceStore()
+    app = build_gateway_app(pool, store, sampling_train=TRAIN, allow_implicit_sessions=True)
+    assert _call(app, "GET", "/sessions/fresh/v1/models").json()["data"][0]["id"] == "m"
+    assert store.mode("fresh") == "train"
+
+
+def test_trace_store_is_per_session_and_thread_safe() -> None:
+    store = TraceStore()
+    sid = store.open_session()
+    store.open_session("b", "validation")
+
+    def add(n: int) -> None:
+        for i in range(200):
+            store.add(Trace(session_id=sid, request_id=f"{n}-{i}", prompt_ids=[1], completion_ids=[2],
+                            logprobs=[-1.0], finish_reason="stop"))  # fmt: skip
+
+    threads = [threading.Thread(target=add, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(store.traces(sid)) == 800 and store.traces("b") == []
+    assert sorted(store.session_ids()) == sorted([sid, "b"])
+    store.clear(sid)
+    assert store.traces(sid) == [] and store.has_session(sid)
+    store.close_session(sid)
+    with pytest.raises(UnknownSessionError, match="unknown session"):
+        store.traces(sid)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        store.open_session("c", "greedy")
+    with pytest.raises(ValueError, match="without '/'"):
+        store.open_session("a/b")
