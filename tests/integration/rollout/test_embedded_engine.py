@@ -193,7 +193,7 @@ def test_sleep_holds_requests_until_wake_up(engine, prompts):
     async def run():
         engine.sleep()
         assert engine.is_sleeping
-        task = asyncio.create_task(engine.generate(prompts[0], SamplingParams(max_tokens=5)))
+        task = asyncio.create_task(engine.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=5)))
         await asyncio.sleep(0.3)
         assert not task.done() and engine.stats()["waiting"] == 1
         engine.wake_up()
@@ -201,12 +201,13 @@ def test_sleep_holds_requests_until_wake_up(engine, prompts):
         assert len(out[0].token_ids) == 5
         long_run = SamplingParams(temperature=0.0, max_tokens=100)
         assert (await engine.generate(prompts[1], long_run))[0].finish_reason == "length"  # no early EOS
-        busy = asyncio.create_task(engine.generate(prompts[1], long_run))
-        while engine.stats()["running"] == 0:
-            await asyncio.sleep(0.001)
+        events = engine.stream(prompts[1], long_run)
+        first = await anext(events)  # the sequence is running now, 99 tokens to go
+        assert first.finish_reason is None
         with pytest.raises(RuntimeError, match="cannot sleep"):
             engine.sleep()
-        await busy
+        rest = [event async for event in events]
+        assert rest[-1].finish_reason == "length" and len(rest[-1].output.token_ids) == 100
         while engine.stats()["running"]:
             await asyncio.sleep(0.001)
 

@@ -69,8 +69,16 @@ def _client(handle):
 
 def test_chat_returns_token_ids_and_exact_logprobs(server, model, tokenizer):
     reply = _client(server).chat.completions.create(
-        model="tiny", messages=USER, max_completion_tokens=24, temperature=0.9, seed=4, n=2, logprobs=True,
-        top_logprobs=3, extra_body={"return_token_ids": True})
+        model="tiny",
+        messages=USER,
+        max_completion_tokens=24,
+        temperature=0.9,
+        seed=4,
+        n=2,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"return_token_ids": True},
+    )
     extra = reply.model_extra
     prompt = render_chat(tokenizer, USER)
     assert extra["prompt_token_ids"] == prompt and extra["policy_version"] == 0
@@ -91,10 +99,22 @@ def test_async_client_chat_and_completions_text_and_token_ids(server, tokenizer)
     async def run():
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         chat = await client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=0)
-        text = await client.completions.create(model="tiny", prompt="Bob has", max_tokens=6, temperature=0,
-                                               logprobs=2, extra_body={"return_token_ids": True})
-        ids = await client.completions.create(model="tiny", prompt=[[10, 11, 12], [13, 14]], max_tokens=5, n=2,
-                                              temperature=1.0, extra_body={"return_token_ids": True})
+        text = await client.completions.create(
+            model="tiny",
+            prompt="Bob has",
+            max_tokens=6,
+            temperature=0,
+            logprobs=2,
+            extra_body={"return_token_ids": True},
+        )
+        ids = await client.completions.create(
+            model="tiny",
+            prompt=[[10, 11, 12], [13, 14]],
+            max_tokens=5,
+            n=2,
+            temperature=1.0,
+            extra_body={"return_token_ids": True},
+        )
         await client.close()
         return chat, text, ids
 
@@ -112,8 +132,14 @@ def test_streaming_chat_assembles_to_the_non_streamed_answer(server):
     client = _client(server)
     kwargs = {"model": "tiny", "messages": USER, "max_tokens": 20, "temperature": 0, "stop": ["apples"]}
     whole = client.chat.completions.create(**kwargs, extra_body={"return_token_ids": True})
-    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"return_token_ids": True}))
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[0].model_extra["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -128,27 +154,54 @@ def test_streaming_chat_assembles_to_the_non_streamed_answer(server):
 def test_streaming_completions(server):
     client = _client(server)
     whole = client.completions.create(model="tiny", prompt="Count", max_tokens=10, temperature=0)
-    stream = client.completions.create(model="tiny", prompt="Count", max_tokens=10, temperature=0, stream=True)
+    stream = client.completions.create(
+        model="tiny", prompt="Count", max_tokens=10, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
 
 
 def test_tool_call_round_trip_history(server, tokenizer):
-    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers",
-                                               "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
-    messages = [*USER,
-                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_abc", "type": "function",
-                 "function": {"name": "add", "arguments": '{"a": 5, "b": 7}'}}]},
-                {"role": "tool", "tool_call_id": "call_abc", "content": "12"}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add two numbers",
+                "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            },
+        }
+    ]
+    messages = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_abc",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 5, "b": 7}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_abc", "content": "12"},
+    ]
     client = _client(server)
-    reply = client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=8,
-                                           extra_body={"return_token_ids": True})
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages, tools=tools, max_tokens=8, extra_body={"return_token_ids": True}
+    )
     prompt = reply.model_extra["prompt_token_ids"]
     assert prompt == render_chat(tokenizer, messages, tools=tools)
     rendered = tokenizer.decode(prompt)
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 5, "b": 7}}\n</tool_call>' in rendered
-    assert "<tool_response>\n12\n</tool_response>" in rendered and '"description": "Add two numbers"' in rendered
-    streamed = list(client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=8,
-                                                   stream=True))
+    assert (
+        "<tool_response>\n12\n</tool_response>" in rendered and '"description": "Add two numbers"' in rendered
+    )
+    streamed = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, tools=tools, max_tokens=8, stream=True
+        )
+    )
     assert streamed[-1].choices[0].finish_reason in ("length", "stop", "tool_calls")
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice="required")
@@ -158,9 +211,12 @@ def test_tool_call_round_trip_history(server, tokenizer):
 def test_64_concurrent_requests_all_complete(server):
     async def run():
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        calls = [client.chat.completions.create(model="tiny", max_tokens=16, seed=i,
-                                                messages=[{"role": "user", "content": f"Question {i}"}])
-                 for i in range(64)]
+        calls = [
+            client.chat.completions.create(
+                model="tiny", max_tokens=16, seed=i, messages=[{"role": "user", "content": f"Question {i}"}]
+            )
+            for i in range(64)
+        ]
         replies = await asyncio.gather(*calls)
         await client.close()
         return replies
@@ -172,9 +228,17 @@ def test_64_concurrent_requests_all_complete(server):
 
 BAD = [
     ("{not json", None, "invalid JSON body"),
-    (json.dumps({"messages": USER, "temperature": "hot"}), "temperature", "temperature: Input should be a valid number"),
+    (
+        json.dumps({"messages": USER, "temperature": "hot"}),
+        "temperature",
+        "temperature: Input should be a valid number",
+    ),
     (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), "messages.0.role", "messages.0.role"),
-    (json.dumps({"messages": [{"role": "user", "content": "many words " * 300}]}), "messages", "max_model_len is 256"),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "many words " * 300}]}),
+        "messages",
+        "max_model_len is 256",
+    ),
     (json.dumps({"messages": USER, "n": 9}), "n", "n: 9 is above"),
 ]
 
@@ -182,9 +246,13 @@ BAD = [
 def test_bad_inputs_get_400_naming_the_field_while_good_requests_succeed(server):
     async def run():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-            good = [http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 12}) for _ in range(8)]
-            bad = [http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
-                   for body, _, _ in BAD]
+            good = [
+                http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 12}) for _ in range(8)
+            ]
+            bad = [
+                http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+                for body, _, _ in BAD
+            ]
             too_long = http.post("/v1/completions", json={"prompt": list(range(300)), "max_tokens": 2})
             return await asyncio.gather(*good, *bad, too_long)
 
@@ -221,11 +289,16 @@ def test_admin_routes(admin_server, tmp_path, tokenizer):
     bad = httpx.post(handle.url + "/update_weights", json={"path": str(tmp_path / "nope")})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "path"
 
-    peft_model = get_peft_model(copy.deepcopy(engine.model), LoraConfig(r=4, target_modules=["q_proj", "o_proj"],
-                                                                      init_lora_weights=False))
+    peft_model = get_peft_model(
+        copy.deepcopy(engine.model),
+        LoraConfig(r=4, target_modules=["q_proj", "o_proj"], init_lora_weights=False),
+    )
     peft_model.save_pretrained(str(tmp_path / "adapter"))
-    loaded = httpx.post(handle.url + "/v1/load_lora_adapter",
-                        json={"lora_name": "mine", "lora_path": str(tmp_path / "adapter")}, timeout=60)
+    loaded = httpx.post(
+        handle.url + "/v1/load_lora_adapter",
+        json={"lora_name": "mine", "lora_path": str(tmp_path / "adapter")},
+        timeout=60,
+    )
     assert loaded.status_code == 200 and loaded.json()["policy_version"] == 2
     assert greedy()[0] != after
     assert [m["id"] for m in httpx.get(handle.url + "/v1/models").json()["data"]] == ["tiny", "mine"]
@@ -234,5 +307,9 @@ def test_admin_routes(admin_server, tmp_path, tokenizer):
     assert httpx.get(handle.url + "/is_sleeping").json() == {"is_sleeping": True}
     assert httpx.post(handle.url + "/wake_up").json() == {"is_sleeping": False}
     metrics = httpx.get(handle.url + "/metrics").json()
-    assert metrics["policy_version"] == 2 and metrics["lora_adapter"] == "mine" and metrics["tokens_generated"] > 0
+    assert (
+        metrics["policy_version"] == 2
+        and metrics["lora_adapter"] == "mine"
+        and metrics["tokens_generated"] > 0
+    )
     assert metrics["weights_fingerprint"] == engine.weights_fingerprint()

@@ -19,8 +19,10 @@ def test_parse_plain_text_has_no_tool_calls():
 
 
 def test_parse_two_tool_calls_with_surrounding_text():
-    text = ('Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
-            '<tool_call>{"name": "now", "arguments": {}}</tool_call>')
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+        '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    )
     parsed = parse_tool_calls(text)
     assert parsed.error is None and parsed.content == "Let me check."
     assert [c["function"]["name"] for c in parsed.tool_calls] == ["add", "now"]
@@ -40,7 +42,10 @@ def test_parse_only_a_tool_call_gives_null_content():
     ("text", "error"),
     [
         ('<tool_call>{"name": "f", "arguments": {</tool_call>', "tool call 0: Expecting"),
-        ('<tool_call>{"arguments": {}}</tool_call>', 'tool call 0: a tool call must be a JSON object with a string "name"'),
+        (
+            '<tool_call>{"arguments": {}}</tool_call>',
+            'tool call 0: a tool call must be a JSON object with a string "name"',
+        ),
         ('<tool_call>{"name": "f"}', "without a closing </tool_call>"),
         ('<tool_call>{"name": "f"}</tool_call><tool_call>[1]</tool_call>', "tool call 1"),
     ],
@@ -52,9 +57,12 @@ def test_parse_invalid_tool_call_stays_content_and_is_flagged(text, error):
 
 
 def test_render_plain_chat(tokenizer):
-    ids = render_chat(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
-    assert tokenizer.decode(ids) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-                                     "<|im_start|>assistant\n")
+    ids = render_chat(
+        tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    )
+    assert tokenizer.decode(ids) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_render_tool_round_trip_as_agent_frameworks_send_it(tokenizer):
@@ -62,8 +70,17 @@ def test_render_tool_round_trip_as_agent_frameworks_send_it(tokenizer):
     messages = [
         {"role": "developer", "content": "Use tools."},
         {"role": "user", "content": [{"type": "text", "text": "1+2?"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "3"},
     ]
     text = tokenizer.decode(render_chat(tokenizer, messages, tools=tools))

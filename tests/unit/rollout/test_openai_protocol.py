@@ -19,8 +19,9 @@ class _Tok:
 
 
 def test_chat_request_defaults_and_mapping():
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stop="##", top_k=0, seed=3,
-                                user="ignored-extra-field")
+    req = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}], stop="##", top_k=0, seed=3, user="ignored-extra-field"
+    )
     params = req.to_sampling_params(max_tokens=7)
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (1.0, 1.0, -1, 7)
     assert params.stop == ["##"] and params.seed == 3 and params.n == 1
@@ -36,8 +37,16 @@ def test_wrong_types_are_named_by_dotted_path():
 
 
 def test_invalid_json_message():
-    message, param = format_validation_error([{"type": "json_invalid", "loc": ("body", 1), "msg": "JSON decode error",
-                                               "ctx": {"error": "Expecting value"}}])
+    message, param = format_validation_error(
+        [
+            {
+                "type": "json_invalid",
+                "loc": ("body", 1),
+                "msg": "JSON decode error",
+                "ctx": {"error": "Expecting value"},
+            }
+        ]
+    )
     assert message == "invalid JSON body: Expecting value" and param is None
 
 
@@ -49,8 +58,9 @@ def test_completion_prompt_forms():
 
 
 def test_error_body_shape():
-    assert build_error("bad n", "n") == {"error": {"message": "bad n", "type": "BadRequestError", "param": "n",
-                                                   "code": 400}}
+    assert build_error("bad n", "n") == {
+        "error": {"message": "bad n", "type": "BadRequestError", "param": "n", "code": 400}
+    }
 
 
 def test_logprob_shapes():
@@ -58,9 +68,20 @@ def test_logprob_shapes():
 
     text = TokenText(_Tok())
     chat = build_chat_logprobs(text, [1, 3], [-0.5, -1.0], [{1: -0.5, 2: -2.0}, {3: -1.0}])
-    assert chat["content"][0] == {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
-        {"token": "a", "logprob": -0.5, "bytes": [97]}, {"token": "bc", "logprob": -2.0, "bytes": [98, 99]}]}
+    assert chat["content"][0] == {
+        "token": "a",
+        "logprob": -0.5,
+        "bytes": [97],
+        "top_logprobs": [
+            {"token": "a", "logprob": -0.5, "bytes": [97]},
+            {"token": "bc", "logprob": -2.0, "bytes": [98, 99]},
+        ],
+    }
     assert chat["content"][1]["bytes"] == [195, 169]
     legacy = build_completion_logprobs(text, [2, 1], [-0.1, -0.2], None, text_offset=4)
-    assert legacy == {"tokens": ["bc", "a"], "token_logprobs": [-0.1, -0.2], "top_logprobs": [None, None],
-                      "text_offset": [4, 6]}
+    assert legacy == {
+        "tokens": ["bc", "a"],
+        "token_logprobs": [-0.1, -0.2],
+        "top_logprobs": [None, None],
+        "text_offset": [4, 6],
+    }

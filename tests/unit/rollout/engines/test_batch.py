@@ -10,8 +10,15 @@ from agentrl.rollout.engines._batch import decode, merge, prefill, select_rows
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = Qwen2Config(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return Qwen2ForCausalLM(config).eval()
 
 

@@ -51,7 +51,9 @@ def test_sampled_logprob_is_raw_not_processed():
     step = select_tokens(logits, [_row(temperature=0.5, top_k=1, seed=0)])
     # top_k=1 makes the processed probability 1, but the reported logprob is the raw log(0.5).
     assert step.token_ids == [0]
-    assert math.isclose(step.logprobs[0], math.log(math.exp(1) / (2 * math.exp(1) + math.exp(-10))), rel_tol=1e-6)
+    assert math.isclose(
+        step.logprobs[0], math.log(math.exp(1) / (2 * math.exp(1) + math.exp(-10))), rel_tol=1e-6
+    )
 
 
 def test_seeded_row_is_reproducible_whatever_shares_its_batch():
