@@ -68,3 +68,17 @@ def agent_flow(fn: Callable[..., Awaitable[FlowResult]] | None = None, *, name: 
         return _FunctionFlow(f, name)
 
     return wrap(fn) if fn is not None else wrap
+
+
+class SingleTurnChatFlow(AgentFlow):
+    """Sends the task's `prompt` messages (verl row format) once and returns the reply's text.
+
+    The flow behind GSM8K-style data and the default arithmetic run; a starting point for your own.
+    """
+
+    def __init__(self, prompt_key: str = "prompt") -> None:
+        self.prompt_key = prompt_key
+
+    async def run(self, task: Task, ctx: RolloutContext) -> str:
+        reply = await ctx.client.chat.completions.create(model=ctx.model, messages=task[self.prompt_key])
+        return reply.choices[0].message.content or ""

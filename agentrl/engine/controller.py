@@ -23,7 +23,7 @@ import torch
 
 from agentrl.algorithms.filters import build_masked_reasons, compact_filter_keep, rejection_keep_groups
 from agentrl.algorithms.kl import apply_kl_penalty_to_rewards
-from agentrl.checkpoint import load_trainer_state, resolve_resume_checkpoint, restore_rng_state, save_checkpoint
+from agentrl.checkpoint import find_latest_checkpoint, load_trainer_state, resolve_resume_checkpoint, restore_rng_state, save_checkpoint
 from agentrl.data import RLDataLoader
 from agentrl.engine.assembly import TrainBatch, episodes_to_rows, rows_to_batch
 from agentrl.engine.batch_advantages import compute_batch_advantages
@@ -73,7 +73,7 @@ class Controller:
         total = config.trainer.total_training_steps or config.trainer.total_epochs * len(self.loader)
         self.total_steps = int(total)
         self.global_step = 0
-        self._task_iter = None
+        self.initial_val_metrics: dict[str, float] = {}
         self.policy = None
         self.critic = None
         self.stack = None
@@ -96,8 +96,6 @@ class Controller:
         if resume_from is not None:
             self._load_checkpoint(resume_from)
         elif cfg.sft.enable:
-            from agentrl.engine.sft import run_sft
-
             sft_metrics = self.policy.call_first("warm_start", cfg.sft, list(self.loader.rows))
             log.info("warm start: %s", sft_metrics)
         urls = self.policy.call("start_rollout")
@@ -118,7 +116,8 @@ class Controller:
         cfg = self.config.trainer
         metrics: dict[str, float] = {}
         if cfg.val_before_train and self.global_step == 0 and self.val_tasks:
-            self.tracker.log(self.validate(), step=0)
+            self.initial_val_metrics = self.validate()
+            self.tracker.log(self.initial_val_metrics, step=0)
         bar = progress_bar("train", self.total_steps)
         bar.update(self.global_step)
         for step in range(self.global_step + 1, self.total_steps + 1):
@@ -139,7 +138,7 @@ class Controller:
             self.tracker.log(metrics, step=step)
             bar.update(1)
             bar.set_postfix(reward=f"{metrics.get('critic/full-score/mean', 0):.3f}")
-            if cfg.save_freq > 0 and (step % cfg.save_freq == 0 or step == self.total_steps):
+            if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or step == self.total_steps:
                 self.save_checkpoint()
         bar.close()
         return metrics
@@ -185,14 +184,7 @@ class Controller:
 
     # ---- rollouts ---------------------------------------------------------------------------------
     def next_tasks(self) -> list[Task]:
-        if self._task_iter is None:
-            self._task_iter = iter(self.loader)
-        try:
-            rows = next(self._task_iter)
-        except StopIteration:
-            self._task_iter = iter(self.loader)
-            rows = next(self._task_iter)
-        return rows_to_tasks(rows, "train")
+        return rows_to_tasks(next(self.loader), "train")
 
     def run_episodes(self, tasks: list[Task], n: int, mode: str, desc: str) -> list[Episode]:
         """Collect `n` rollouts per task and score them; failed rollouts are kept, unscored."""
@@ -275,6 +267,9 @@ class Controller:
         restore_rng_state(folder)
         self.global_step = int(state["global_step"])
         log.info("resumed from %s at step %d", folder, self.global_step)
+
+    def latest_checkpoint(self) -> Path | None:
+        return find_latest_checkpoint(self.run_dir / "checkpoints")
 
     def export(self, folder: Path) -> None:
         self.policy.call_first("export", folder)

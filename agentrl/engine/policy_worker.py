@@ -52,6 +52,20 @@ class PolicyWorker:
         self.generator = torch.Generator().manual_seed(config.trainer.seed)
         self.rollout = None
 
+    def tokenizer_pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+                   else self.tokenizer.eos_token_id)
+
+    def warm_start(self, sft: Any, rows: list[dict]) -> dict[str, float]:
+        """Supervised warm start of the actor; the reference policy becomes the warm-started model."""
+        from agentrl.engine.sft import run_sft
+
+        metrics = run_sft(self.actor, self.tokenizer, rows, sft, seed=self.config.trainer.seed,
+                          pad_token_id=self.tokenizer_pad_id(), prompt_key=self.config.data.prompt_key)
+        if self.ref is not None:
+            self.ref = copy.deepcopy(self.actor).eval().requires_grad_(False)
+        return metrics
+
     # ---- rollout side -------------------------------------------------------------------------------
     def start_rollout(self) -> str:
         """Start the colocated embedded engine and its OpenAI server; returns the server's URL."""
