@@ -1,0 +1,69 @@
+"""Supervised warm start: loss mask on the response only, and a few steps lower the loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from agentrl.config.schema import SFTConfig
+from agentrl.data import sample_path
+from agentrl.engine.sft import _pad, build_sft_examples, reference_response, run_sft
+from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
+
+MODEL = "tiny:qwen2-mini"
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return resolve_model_path(MODEL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    return load_tokenizer(model_path)
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    with open(sample_path("arithmetic_train")) as f:
+        return [json.loads(line) for line in f][:8]
+
+
+def test_reference_response_prefers_extra_info_response():
+    assert reference_response({"extra_info": {"response": "x = 4"}, "reward_model": {"ground_truth": "4"}}) == "x = 4"
+    assert reference_response({"extra_info": {}, "reward_model": {"ground_truth": 7}}) == "7"
+
+
+def test_build_sft_examples_masks_only_the_response_tokens(tokenizer, rows):
+    row = {**rows[0], "extra_info": {"response": "The answer is 1"}}
+    [(input_ids, mask)] = build_sft_examples(tokenizer, [row])
+
+    prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+    assert len(input_ids) == len(mask)
+    assert tokenizer.decode(input_ids) == prompt + "The answer is 1<|im_end|>"
+    masked = [t for t, m in zip(input_ids, mask, strict=True) if m]
+    assert tokenizer.decode(masked) == "The answer is 1<|im_end|>"
+    first = mask.index(1)
+    assert mask == [0] * first + [1] * (len(mask) - first)  # prompt 0s, then response 1s
+    assert tokenizer.decode(input_ids[:first]) == prompt
+
+
+def _mean_loss(model, tokenizer, rows) -> float:
+    input_ids, labels, attention = _pad(build_sft_examples(tokenizer, rows), tokenizer.pad_token_id)
+    with torch.no_grad():
+        return model(input_ids=input_ids, attention_mask=attention, labels=labels, use_cache=False).loss.item()
+
+
+def test_a_few_sft_steps_lower_the_loss(model_path, tokenizer, rows):
+    torch.manual_seed(0)
+    model = load_causal_lm(model_path)
+    before = _mean_loss(model, tokenizer, rows)
+    metrics = run_sft(model, tokenizer, rows, SFTConfig(lr=3e-3, batch_size=4, epochs=10, max_steps=12),
+                      seed=1, pad_token_id=tokenizer.pad_token_id)
+    after = _mean_loss(model, tokenizer, rows)
+
+    assert metrics["sft/steps"] == 12  # max_steps stops before the 20 steps of 10 epochs
+    assert metrics["sft/final_loss"] < metrics["sft/first_loss"]
+    assert after < 0.7 * before, (before, after)
