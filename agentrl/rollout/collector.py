@@ -99,7 +99,7 @@ class RolloutCollector:
         started = time.perf_counter()
         result, reason, error, retryable = None, None, None, False
         try:
-            result = await asyncio.wait_for(flow.run(task, ctx), timeout=self.limits.timeout)
+            result = await asyncio.wait_for(_run_flow(flow, task, ctx), timeout=self.limits.timeout)
         except asyncio.TimeoutError:
             reason, error = TerminationReason.TIMEOUT, f"rollout exceeded agent.timeout={self.limits.timeout}s"
         except openai.BadRequestError as exc:
@@ -125,6 +125,19 @@ class RolloutCollector:
         if retryable:
             episode.metrics["_retryable"] = 1.0
         return episode
+
+
+class FlowTimeoutError(Exception):
+    """A TimeoutError raised inside the flow (a tool's own deadline): an `error`, not an `agent.timeout`."""
+
+
+async def _run_flow(flow: AgentFlow, task: Task, ctx: RolloutContext):
+    # asyncio.TimeoutError is the builtin TimeoutError, so without this a flow's own timeout would be
+    # taken for `agent.timeout` (and kept for training as a timeout instead of dropped as an error).
+    try:
+        return await flow.run(task, ctx)
+    except asyncio.TimeoutError as exc:
+        raise FlowTimeoutError(f"the flow raised {exc!r} before agent.timeout") from exc
 
 
 def step_from_trace(trace: Trace) -> Step:
