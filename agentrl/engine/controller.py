@@ -107,8 +107,10 @@ class Controller:
                             retry_limit=cfg.agent.retry_limit, timeout=cfg.agent.timeout,
                             max_prompt_length=cfg.data.max_prompt_length))
         self.n = arr.rollout.n
+        # A fresh start (no checkpoint, or resume disabled) must not append to an earlier run's history.
         self.tracker = build_tracker(cfg.trainer.logger, run_dir=self.run_dir, project_name=cfg.trainer.project_name,
-                                     experiment_name=cfg.trainer.experiment_name, config=cfg.model_dump())
+                                     experiment_name=cfg.trainer.experiment_name, config=cfg.model_dump(),
+                                     resume=resume_from is not None)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:

@@ -137,3 +137,12 @@ def test_a_half_written_checkpoint_is_skipped_and_the_run_resumes_from_the_last_
     assert steps == [1, 2, 3]  # the first run's steps, then only step 3: resumed from 2, not 9, not 0
     assert 9 not in steps
     assert _history(run_dir)[-1]["training/global_step"] == 3.0
+
+    # Starting over in the same folder (resume disabled) begins a fresh history; the old one is kept aside.
+    third = AgentTrainer(flow=SingleTurnChatFlow(), evaluator=MathAnswerMatch(), train_dataset=rows,
+                         config=_overrides(run_dir, "trainer.total_training_steps=1",
+                                           "trainer.resume_mode=disable")).train()
+    assert third.global_step == 1
+    assert [r["step"] for r in _history(run_dir)] == [1]
+    [archived] = run_dir.glob("metrics.*.jsonl")
+    assert [json.loads(line)["step"] for line in archived.read_text().splitlines()] == [1, 2, 3]
