@@ -50,11 +50,20 @@ def _timer(timing: dict[str, float], name: str):
 
 
 def rows_to_tasks(rows: Sequence[dict], prefix: str) -> list[Task]:
-    """Tasks with stable ids (`extra_info.index` when present, else the row position)."""
-    tasks = []
+    """Tasks with stable ids (`extra_info.index` when present, else the row position), unique in the call.
+
+    Ids key the GRPO groups and the task an episode is scored against, so a repeated index (datasets
+    concatenated, each indexed from 0) gets the row position appended rather than merging two prompts.
+    """
+    tasks: list[Task] = []
+    seen: set[str] = set()
     for i, row in enumerate(rows):
         index = (row.get("extra_info") or {}).get("index", i)
-        tasks.append(Task(id=f"{prefix}-{index}", data=row))
+        task_id = f"{prefix}-{index}"
+        if task_id in seen:
+            task_id = f"{prefix}-{index}-row{i}"
+        seen.add(task_id)
+        tasks.append(Task(id=task_id, data=row))
     return tasks
 
 
@@ -185,8 +194,8 @@ class Controller:
         return metrics
 
     # ---- rollouts ---------------------------------------------------------------------------------
-    def next_tasks(self) -> list[Task]:
-        return rows_to_tasks(next(self.loader), "train")
+    def next_tasks(self, prefix: str = "train") -> list[Task]:
+        return rows_to_tasks(next(self.loader), prefix)
 
     def run_episodes(self, tasks: list[Task], n: int, mode: str, desc: str) -> list[Episode]:
         """Collect `n` rollouts per task and score them; failed rollouts are kept, unscored."""
@@ -208,8 +217,10 @@ class Controller:
         rounds = reject.multiplier if reject.enable else 1
         all_episodes: list[Episode] = []
         kept: list[Episode] = []
-        for _ in range(max(1, rounds)):
-            episodes = self.run_episodes(self.next_tasks(), self.n, "train", "rollout")
+        for round_index in range(max(1, rounds)):
+            # Each refill round gets its own id prefix: position-based ids must not merge different prompts.
+            prefix = "train" if round_index == 0 else f"train.r{round_index}"
+            episodes = self.run_episodes(self.next_tasks(prefix), self.n, "train", "rollout")
             all_episodes += episodes
             kept += self.filter_episodes(episodes)
             if len({e.task_id for e in kept}) >= self.config.data.train_batch_size:

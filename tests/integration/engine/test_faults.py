@@ -92,6 +92,26 @@ def test_an_evaluator_that_raises_or_returns_nan_costs_episodes_not_the_run(tmp_
         assert math.isfinite(record["actor/pg_loss"])
 
 
+def test_rows_sharing_an_index_are_scored_and_grouped_as_separate_tasks(tmp_path, rows):
+    """Two datasets concatenated, each indexed from 0: rows 2k and 2k+1 share `extra_info.index` = k."""
+    shared = [{**row, "extra_info": {**row["extra_info"], "index": i // 2, "label": i % 2}}
+              for i, row in enumerate(rows)]
+
+    @evaluator
+    def by_label(task, episode):
+        if task.data != episode.task:
+            raise AssertionError(f"episode of {episode.task['prompt']} scored against {task['prompt']}")
+        return float(task["extra_info"]["label"])
+
+    run_dir = tmp_path / "run"
+    AgentTrainer(flow=SingleTurnChatFlow(), evaluator=by_label, train_dataset=shared,
+                 config=_overrides(run_dir)).train()
+    for record in [r for r in _history(run_dir) if r["step"] > 0]:
+        assert record["batch/evaluator_errors"] == 0.0
+        # 4 tasks of 2 samples: labels 0, 1, 0, 1 -> two all-correct and two all-wrong groups.
+        assert (record["batch/solve_all"], record["batch/solve_none"], record["batch/solve_partial"]) == (2, 2, 0)
+
+
 def test_a_dataset_row_without_prompt_is_refused_before_any_model_loads(tmp_path, rows):
     bad = [dict(row) for row in rows]
     del bad[3]["prompt"]
