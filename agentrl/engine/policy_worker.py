@@ -120,6 +120,7 @@ class PolicyWorker:
         self.actor.train()
         sums: dict[str, float] = {}
         count = 0
+        skipped = 0
         num_minis = max(1, self.config.data.train_batch_size // actor_cfg.ppo_mini_batch_size)
         for _ in range(actor_cfg.ppo_epochs):
             for rows in split_mini_batches(len(batch), num_minis, self.generator, actor_cfg.shuffle):
@@ -136,12 +137,14 @@ class PolicyWorker:
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
                 else:
-                    sums["actor/skipped_steps"] = sums.get("actor/skipped_steps", 0.0) + count
+                    skipped += 1
                     log.warning("actor: non-finite grad norm %s; optimizer step skipped", grad_norm.item())
                 sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm) * len(micro_batches)
         self.scheduler.step()
         metrics = {key: value / max(count, 1) for key, value in sums.items()}
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        if skipped:
+            metrics["actor/skipped_steps"] = float(skipped)  # a count of optimizer steps, not averaged
         return metrics
 
     def _actor_loss(self, micro: TrainBatch, weight: float) -> dict[str, float]:

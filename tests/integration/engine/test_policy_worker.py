@@ -149,3 +149,17 @@ def test_lora_sync_leaves_the_frozen_base_bit_for_bit_unchanged(lora_worker):
     with torch.no_grad():
         expected, _ = compute_log_probs(load_causal_lm(worker.model_path), batch)
     assert torch.equal(worker.compute_ref_log_prob(batch)[batch.response_mask], expected[batch.response_mask])
+
+
+def test_a_non_finite_gradient_skips_the_optimizer_step_and_is_counted(worker, monkeypatch):
+    monkeypatch.setattr(worker.config.actor_rollout_ref.actor, "ppo_mini_batch_size", 2)  # 2 mini-batches
+    monkeypatch.setattr(worker.config.actor_rollout_ref.actor, "ppo_micro_batch_size_per_gpu", 1)
+    batch = _batch(worker.tokenizer_pad_id())
+    batch.tensors.update(worker.compute_log_prob(batch))
+    batch["advantages"] = torch.where(batch.response_mask, float("nan"), 0.0)
+    before = {n: p.detach().clone() for n, p in worker.actor.named_parameters()}
+    metrics = worker.update_actor(batch)
+    assert metrics["actor/skipped_steps"] == 2.0  # both optimizer steps refused
+    for name, param in worker.actor.named_parameters():
+        assert torch.equal(param, before[name]), name
+    worker.sync_weights()  # the served weights stay what they were, and match
