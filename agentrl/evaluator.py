@@ -47,6 +47,8 @@ def evaluator(fn: Callable[[Task, Episode], Any]) -> Evaluator:
 
 def to_eval_output(value: Any) -> EvalOutput:
     """Normalise an evaluator's return value; raise ValueError on NaN or a wrong type."""
+    if not isinstance(value, (EvalOutput, bool, int, float)) and type(value).__module__ in ("numpy", "torch"):
+        value = value.item()  # numpy / torch scalars (`pred == truth` on arrays gives np.bool_)
     if isinstance(value, EvalOutput):
         out = value
     elif isinstance(value, bool):

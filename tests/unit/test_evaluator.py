@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+import torch
 
 from agentrl import Episode, EvalOutput, Evaluator, MathAnswerMatch, Task, Trajectory, evaluator
 from agentrl.evaluator import extract_final_answer, normalize_number, score_episode, to_eval_output
@@ -19,6 +21,17 @@ def test_to_eval_output_float_bool_and_eval_output():
     explicit = EvalOutput(reward=0.3, is_correct=False, metrics={"steps": 2.0})
     assert to_eval_output(explicit) == explicit
     assert to_eval_output(EvalOutput(reward=-1.0)).is_correct is False
+
+
+def test_to_eval_output_accepts_numpy_and_torch_scalars():
+    assert to_eval_output(np.bool_(True)) == EvalOutput(reward=1.0, is_correct=True)
+    assert to_eval_output(np.float32(0.25)) == EvalOutput(reward=0.25, is_correct=True)
+    assert to_eval_output(np.int64(0)) == EvalOutput(reward=0.0, is_correct=False)
+    assert to_eval_output(torch.tensor(False)) == EvalOutput(reward=0.0, is_correct=False)
+    with pytest.raises(ValueError, match="non-finite"):
+        to_eval_output(np.float64("nan"))
+    with pytest.raises((ValueError, RuntimeError)):
+        to_eval_output(torch.tensor([1.0, 0.0]))  # not a scalar
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, EvalOutput(reward=math.nan)])
