@@ -274,3 +274,26 @@ def test_a_two_turn_chat_merges_when_the_history_re_renders_to_the_same_tokens(s
                                  + [0] * observation + [1] * len(second.response_ids))
         assert stats.merged_steps == 1
     assert merged >= 1, "no seeded two-turn chat extended its first turn"
+
+
+def test_a_retryable_failure_is_tried_again_up_to_retry_limit(stack):
+    attempts: list[str] = []
+
+    @agent_flow
+    async def flaky_connection(task, ctx):
+        attempts.append(ctx.session_id)
+        if len(attempts) == 1:  # the first attempt loses its connection to the server
+            await ctx.client.with_options(base_url="http://127.0.0.1:9/v1").chat.completions.create(
+                model=ctx.model, messages=MESSAGES)
+        return await _chat_once.run(task, ctx)
+
+    [episode] = collect(stack, flaky_connection, [Task(id="t")], retry_limit=2)
+    assert episode.termination_reason != TerminationReason.ERROR and episode.error is None
+    assert episode.metrics["retries"] == 1.0
+    assert len(set(attempts)) == 2  # each attempt in a fresh session
+    assert len(episode.trajectories[0].steps) == 1  # only the successful attempt's call
+
+    attempts.clear()
+    [episode] = collect(stack, flaky_connection, [Task(id="t")], retry_limit=1)
+    assert episode.termination_reason == TerminationReason.ERROR and "APIConnectionError" in episode.error
+    assert len(attempts) == 1
