@@ -28,20 +28,27 @@ def is_lora_model(model: torch.nn.Module) -> bool:
 def served_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The full weights the engine should serve: for a LoRA model, the base with adapters merged in.
 
-    Keys are those of the plain transformers model, so the engine loads them like any checkpoint.
+    Keys are those of the plain transformers model, so the engine loads them like any checkpoint. The merge
+    is computed out of place (W + delta per adapted layer): peft's merge_adapter/unmerge_adapter round trip
+    would add and subtract the delta in place, leaving float rounding in the frozen base (the reference policy)
+    after every sync.
     """
     if not is_lora_model(model):
         return {k: v.detach() for k, v in model.state_dict().items()}
-    model.merge_adapter()
-    try:
-        merged = {}
-        for key, value in model.get_base_model().state_dict().items():
-            if "lora_" in key:
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    merged = {key.replace(".base_layer.", "."): value.detach()
+              for key, value in base.state_dict().items() if "lora_" not in key}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if not isinstance(module, LoraLayer) or module.merged:
                 continue
-            merged[key.replace(".base_layer.", ".")] = value.detach().clone()
-        return merged
-    finally:
-        model.unmerge_adapter()
+            adapters = [a for a in module.active_adapters if a in module.lora_A]
+            if adapters:
+                weight = module.get_base_layer().weight
+                merged[f"{name}.weight"] = weight + sum(module.get_delta_weight(a) for a in adapters)
+    return merged
 
 
 @contextmanager

@@ -135,9 +135,6 @@ def test_lora_update_changes_the_served_weights_and_the_reference_is_the_base(lo
     assert torch.allclose(current[mask], served[mask], atol=1e-4)  # and the engine serves the adapted one
 
 
-@pytest.mark.xfail(strict=True, reason="agentrl/engine/lora.py served_state_dict merges and unmerges the "
-                   "adapter in place, leaving float rounding in the frozen base after each sync (fix proposed "
-                   "to the lead: compute W + delta out of place)")
 def test_lora_sync_leaves_the_frozen_base_bit_for_bit_unchanged(lora_worker):
     worker = lora_worker
     _train_once(worker)  # non-zero adapters, so the merge changes the served weights
