@@ -62,8 +62,13 @@ def served_policy(tmp_path):
     argv = _with_free_port(serve_command(DOC.read_text()))
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", *argv], cwd=tmp_path, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentrl.cli", *argv],
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     try:
         deadline = time.monotonic() + 120
         while not (found := _READY.search(log_path.read_text())):
