@@ -107,7 +107,7 @@ class Controller:
         elif cfg.sft.enable:
             sft_metrics = self.policy.call_first("warm_start", cfg.sft, list(self.loader.rows))
             log.info("warm start: %s", sft_metrics)
-        urls = self.policy.call("start_rollout")
+        urls = [url for worker_urls in self.policy.call("start_rollout") for url in worker_urls]
         self.stack = build_rollout_stack(urls, cfg, self.policy.call_first("tokenizer_pad_id"))
         arr = cfg.actor_rollout_ref
         self.collector = RolloutCollector(

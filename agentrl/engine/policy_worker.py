@@ -1,7 +1,8 @@
 """PolicyWorker: the actor, its optional reference, and the colocated rollout engine on one device.
 
-The hybrid engine: the worker trains the actor and serves the same policy from an embedded engine, syncing
-weights between phases and checking that the served weights are the ones it trained (a fingerprint).
+The hybrid engine: the worker trains the actor and serves the same policy from its rollout backend (the
+embedded engine or vLLM servers, `actor_rollout_ref.rollout.name`), syncing weights between phases and
+checking that the served weights are the ones it trained (`agentrl.engine.weight_sync`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from agentrl.algorithms.kl import compute_kl_penalty
 from agentrl.algorithms.losses import aggregate_loss, compute_policy_loss
 from agentrl.engine.assembly import TrainBatch
 from agentrl.engine.forward import compute_log_probs
-from agentrl.engine.lora import adapters_disabled, apply_lora, is_lora_model, served_state_dict
+from agentrl.engine.lora import adapters_disabled, apply_lora, is_lora_model
 from agentrl.engine.optim import build_lr_scheduler, build_optimizer
 from agentrl.engine.packing import split_micro_batches, split_mini_batches
 from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
@@ -67,35 +68,29 @@ class PolicyWorker:
         return metrics
 
     # ---- rollout side -------------------------------------------------------------------------------
-    def start_rollout(self) -> str:
-        """Start the colocated embedded engine and its OpenAI server; returns the server's URL."""
-        from agentrl.rollout.embedded_rollout import start_embedded_rollout
+    def start_rollout(self) -> list[str]:
+        """Start the rollout engine `rollout.name` names, sync the actor's weights to it; returns its URLs."""
+        from agentrl.rollout.backend import build_rollout_backend
 
-        self.rollout = start_embedded_rollout(self.model_path, self.tokenizer, self.config,
-                                              device=str(self.device))
+        self.rollout = build_rollout_backend(self.model_path, self.tokenizer, self.config, device=str(self.device))
         self.sync_weights()
-        return self.rollout.url
+        return self.rollout.urls
 
     def sync_weights(self) -> dict[str, float]:
-        """Push the actor's weights to the engine and verify the served fingerprint matches."""
-        from agentrl.rollout.engines.embedded import fingerprint_state_dict
+        """Push the actor's weights to the engine and verify it serves them (fingerprint or probe)."""
+        from agentrl.engine.weight_sync import sync_rollout_weights
 
-        state = served_state_dict(self.actor)
-        version = self.rollout.engine.update_weights(state)
-        expected = fingerprint_state_dict(state)
-        served = self.rollout.engine.weights_fingerprint()
-        if served != expected:
-            raise RuntimeError(f"weight sync failed: the engine serves fingerprint {served}, the trainer "
-                               f"holds {expected}; refusing to generate with stale weights")
-        return {"rollout/policy_version": float(version)}
+        arr = self.config.actor_rollout_ref
+        served_dtype = arr.rollout.vllm.dtype if arr.rollout.name == "vllm" else arr.model.dtype
+        return sync_rollout_weights(self.actor, self.rollout, self.tokenizer, dtypes=(arr.model.dtype, served_dtype))
 
     def sleep_rollout(self) -> None:
         if self.rollout is not None and self.config.actor_rollout_ref.rollout.free_cache_engine:
-            self.rollout.engine.sleep()
+            self.rollout.sleep()
 
     def wake_rollout(self) -> None:
         if self.rollout is not None and self.config.actor_rollout_ref.rollout.free_cache_engine:
-            self.rollout.engine.wake_up()
+            self.rollout.wake_up()
 
     # ---- training side ------------------------------------------------------------------------------
     @torch.no_grad()

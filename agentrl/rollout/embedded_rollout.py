@@ -1,12 +1,20 @@
 """The colocated rollout of a policy worker: an embedded engine over its own copy of the policy, served over
-OpenAI-compatible HTTP on a free loopback port. The worker pushes trained weights into it between steps."""
+OpenAI-compatible HTTP on a free loopback port. The worker pushes trained weights into it between steps.
+
+`EmbeddedRollout` is the embedded side of `agentrl.rollout.backend.RolloutBackend`: weights are loaded in
+process (no files), and the engine reports a fingerprint of what it serves.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from agentrl.models import load_causal_lm
+from agentrl.rollout.backend import ProbeResult, probe_server
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.rollout.http_server import ServerHandle, start_server_in_thread
 from agentrl.rollout.server import build_server_app
@@ -16,10 +24,30 @@ from agentrl.rollout.server import build_server_app
 class EmbeddedRollout:
     engine: EmbeddedEngine
     server: ServerHandle
+    model_name: str = ""
 
     @property
     def url(self) -> str:
         return self.server.url
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.server.url]
+
+    def push_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
+        return self.engine.update_weights(state_dict)
+
+    def served_fingerprint(self) -> str:
+        return self.engine.weights_fingerprint()
+
+    def probe(self, prompt_ids: Sequence[int], max_tokens: int) -> list[ProbeResult]:
+        return [probe_server(self.url, self.model_name, prompt_ids, max_tokens)]
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
 
     def stop(self) -> None:
         self.server.stop()
@@ -31,14 +59,15 @@ def start_embedded_rollout(model_path: str, tokenizer: Any, config: Any, *, devi
     rollout = config.actor_rollout_ref.rollout
     model = load_causal_lm(model_path, dtype=config.actor_rollout_ref.model.dtype, device=device)
     engine = EmbeddedEngine(model, tokenizer, max_num_seqs=rollout.max_num_seqs, max_model_len=rollout.max_model_len)
-    app = build_server_app(engine, tokenizer, model_name=served_model_name(config),
+    name = served_model_name(config)
+    app = build_server_app(engine, tokenizer, model_name=name,
                            max_model_len=rollout.max_model_len, max_n=rollout.max_n_per_request)
     try:
         server = start_server_in_thread(app)
     except Exception:
         engine.close()
         raise
-    return EmbeddedRollout(engine, server)
+    return EmbeddedRollout(engine, server, name)
 
 
 def served_model_name(config: Any) -> str:
