@@ -4,7 +4,7 @@ The vLLM side of `agentrl.rollout.backend.RolloutBackend`. Servers are launched 
 (`actor_rollout_ref.rollout.*`, `rollout.vllm.*`) with logs under `<run dir>/vllm_logs`. A weight push writes
 the full state dict to `<run dir>/vllm_weights/v<N>` and reloads it on every server through the pool's
 update route (`POST /collective_rpc reload_weights`, then `/reset_prefix_cache`); the push succeeds only
-when every server took it, and earlier weight folders are then deleted. vLLM reports neither a weight
+when every server took it, and earlier weight folders are then deleted (the last one on `stop`). vLLM reports neither a weight
 fingerprint nor a policy version, so `served_fingerprint` is None and the worker verifies with `probe`.
 """
 
@@ -68,7 +68,9 @@ class VLLMRollout:
         self._raise_if_unhealthy("wake_up")
 
     def stop(self) -> None:
+        """Stop the servers and delete the weight folders (the run's checkpoints hold the weights)."""
         self.servers.stop()
+        shutil.rmtree(self.weights_dir, ignore_errors=True)
 
     def _raise_if_unhealthy(self, action: str) -> None:
         failed = [f"{s.url}: {s.last_error}" for s in self._admin.servers if not s.healthy]

@@ -86,8 +86,8 @@ def test_grpo_generates_with_vllm_serving_the_trained_weights(tmp_path, monkeypa
     before = score_tokens(load_causal_lm(resolve_model_path("tiny:qwen2")), prompt, tokens)
     after = score_tokens(load_causal_lm(str(result.export_dir)), prompt, tokens)
     assert max_logprob_gap(before, after) > 10 * LOGPROB_BOUND
-    # Weights were reloaded through vLLM; only the latest weight folder is kept.
+    # Weights were reloaded through vLLM, three times; the weight folders are gone with the servers.
     logs = list((tmp_path / "vllm_logs").glob("vllm_*.log"))
     assert len(logs) == 1 and logs[0].read_text().count("POST /collective_rpc") == 3
-    assert [p.name for p in (tmp_path / "vllm_weights").iterdir()] == ["v3"]
+    assert not (tmp_path / "vllm_weights").exists()
     assert _processes_with_env(marker) == [], "vLLM processes outlived the run"
