@@ -17,6 +17,9 @@ from typing import Any
 
 from agentrl.types import Episode, EvalOutput, Task
 
+EVAL_METRIC_PREFIX = "eval/"
+"""Evaluator metrics are stored on the episode under this prefix and logged as `batch/<name>`, `val/<name>`."""
+
 
 class Evaluator(ABC):
     """Base class: `evaluate(task, episode)` returns a float, a bool or an EvalOutput."""
@@ -78,7 +81,7 @@ def score_episode(grader: Evaluator, task: Task, episode: Episode) -> Episode:
         return episode
     episode.reward = result.reward
     episode.is_correct = bool(result.is_correct)
-    episode.metrics.update(result.metrics)
+    episode.metrics.update({f"{EVAL_METRIC_PREFIX}{k}": float(v) for k, v in result.metrics.items()})
     for trajectory in episode.trajectories:
         if trajectory.reward is None:
             trajectory.reward = result.reward
@@ -133,5 +136,6 @@ class MathAnswerMatch(Evaluator):
             predicted = extract_final_answer(text)
         truth = str(task.get("reward_model", {}).get("ground_truth", ""))
         correct = predicted is not None and normalize_number(predicted) == normalize_number(truth)
-        return EvalOutput(reward=float(correct), is_correct=correct,
-                          metrics={"has_answer": float(predicted is not None)})
+        return EvalOutput(
+            reward=float(correct), is_correct=correct, metrics={"has_answer": float(predicted is not None)}
+        )

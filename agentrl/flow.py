@@ -29,7 +29,8 @@ class RolloutContext:
     session_id: str
     base_url: str
     max_steps: int
-    """`agent.max_steps`: more model calls than this end the episode as `max_turns_exceeded`."""
+    """`agent.max_steps`: the gateway refuses further calls (an `openai.BadRequestError` with code
+    `max_turns_exceeded`), and the episode ends as `max_turns_exceeded`."""
     mode: str = "train"
     """`train` or `val`: the gateway applies the matching sampling parameters."""
     metadata: dict[str, Any] = field(default_factory=dict)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import AgentRLConfig, load_config, save_resolved_config
+from agentrl.config import AgentRLConfig, ConfigError, load_config, save_resolved_config
 from agentrl.data import load_dataset_rows, validate_row
 from agentrl.evaluator import Evaluator
 from agentrl.flow import AgentFlow
@@ -71,16 +71,33 @@ def setup_logging() -> None:
 class AgentTrainer:
     """Train `flow`, scored by `evaluator`, with RL as configured."""
 
-    def __init__(self, flow: AgentFlow, evaluator: Evaluator, config: AgentRLConfig | Sequence[str] | None = None,
-                 train_dataset: Dataset = None, val_dataset: Dataset = None) -> None:
+    def __init__(
+        self,
+        flow: AgentFlow,
+        evaluator: Evaluator,
+        config: AgentRLConfig | Sequence[str] | None = None,
+        train_dataset: Dataset = None,
+        val_dataset: Dataset = None,
+    ) -> None:
         if not isinstance(flow, AgentFlow):
-            raise TypeError(f"flow must be an AgentFlow (subclass or @agent_flow function), got {type(flow).__name__}")
+            raise TypeError(
+                f"flow must be an AgentFlow (subclass or @agent_flow function), got {type(flow).__name__}"
+            )
         if not isinstance(evaluator, Evaluator):
-            raise TypeError(f"evaluator must be an Evaluator (subclass or @evaluator function), "
-                            f"got {type(evaluator).__name__}")
+            raise TypeError(
+                f"evaluator must be an Evaluator (subclass or @evaluator function), "
+                f"got {type(evaluator).__name__}"
+            )
         self.flow = flow
         self.evaluator = evaluator
         self.config = resolve_config(config)
+        if self.config.trainer.backend != "local":
+            raise ConfigError(
+                [
+                    f"trainer.backend={self.config.trainer.backend}: only the local worker group is "
+                    "available in this version; use trainer.backend=local (one device)"
+                ]
+            )
         self.train_rows = resolve_rows(train_dataset, self.config.data.train_files, "train_dataset")
         self.val_rows = resolve_rows(val_dataset, self.config.data.val_files, "val_dataset")
         if not self.train_rows:
@@ -107,8 +124,14 @@ class AgentTrainer:
             controller.close(failed=failed)
         _plot(run_dir)
         log.info("run folder: %s (checkpoint %s, HF export %s)", run_dir, checkpoint, export_dir)
-        return TrainResult(run_dir=run_dir, global_step=controller.global_step, metrics=metrics,
-                           initial_val_metrics=controller.initial_val_metrics, checkpoint_dir=checkpoint, export_dir=export_dir)
+        return TrainResult(
+            run_dir=run_dir,
+            global_step=controller.global_step,
+            metrics=metrics,
+            initial_val_metrics=controller.initial_val_metrics,
+            checkpoint_dir=checkpoint,
+            export_dir=export_dir,
+        )
 
 
 def _plot(run_dir: Path) -> None:

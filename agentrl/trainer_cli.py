@@ -31,8 +31,11 @@ def import_object(spec: str, key: str) -> Any:
 def _load(argv: list[str]):
     try:
         config = load_config(argv)
-        return config, import_object(config.agent.flow, "agent.flow"), \
-            import_object(config.agent.evaluator, "agent.evaluator")
+        return (
+            config,
+            import_object(config.agent.flow, "agent.flow"),
+            import_object(config.agent.evaluator, "agent.evaluator"),
+        )
     except ConfigError as exc:
         print(f"agentrl: invalid configuration:\n{exc}", file=sys.stderr)
         raise SystemExit(2) from exc
@@ -40,10 +43,16 @@ def _load(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     """`agentrl train [overrides...]`."""
+    from agentrl.data import DatasetError
     from agentrl.trainer import AgentTrainer
 
     config, flow, grader = _load(list(sys.argv[1:] if argv is None else argv))
-    result = AgentTrainer(flow=flow, evaluator=grader, config=config).train()
+    try:
+        trainer = AgentTrainer(flow=flow, evaluator=grader, config=config)
+    except (DatasetError, ConfigError) as exc:
+        print(f"agentrl: {exc}", file=sys.stderr)
+        return 2
+    result = trainer.train()
     before = result.initial_val_metrics.get("val/accuracy")
     after = result.metrics.get("val/accuracy")
     print(f"agentrl: trained {result.global_step} steps; run folder {result.run_dir}")
@@ -62,7 +71,9 @@ def sft_main(argv: list[str] | None = None) -> int:
     config, _flow, _grader = _load(list(sys.argv[1:] if argv is None else argv))
     setup_logging()
     rows = resolve_rows(None, config.data.train_files, "data.train_files")
-    worker = PolicyWorker(config, total_steps=1, device="cpu" if config.trainer.device == "auto" else config.trainer.device)
+    worker = PolicyWorker(
+        config, total_steps=1, device="cpu" if config.trainer.device == "auto" else config.trainer.device
+    )
     metrics = worker.warm_start(config.sft, rows)
     out = Path(config.trainer.default_local_dir) / "sft_model"
     worker.export(out)

@@ -84,16 +84,29 @@ class TrainBatch:
         def cut(t: torch.Tensor) -> torch.Tensor:
             return t[index][:, :length] if t.dim() == 2 else t[index]
 
-        return TrainBatch(**{name: cut(getattr(self, name)) for name in _FIELDS},
-                          tensors={k: cut(v) for k, v in self.tensors.items()})
+        return TrainBatch(
+            **{name: cut(getattr(self, name)) for name in _FIELDS},
+            tensors={k: cut(v) for k, v in self.tensors.items()},
+        )
 
 
-_FIELDS = ("input_ids", "attention_mask", "response_mask", "rollout_log_probs", "token_rewards", "rewards",
-           "group_ids", "trajectory_ids", "step_index", "num_steps")
+_FIELDS = (
+    "input_ids",
+    "attention_mask",
+    "response_mask",
+    "rollout_log_probs",
+    "token_rewards",
+    "rewards",
+    "group_ids",
+    "trajectory_ids",
+    "step_index",
+    "num_steps",
+)
 
 
-def episodes_to_rows(episodes: Sequence[Episode], *, merge_steps: bool = True,
-                     max_length: int | None = None) -> tuple[list[TrainingRow], AssemblyStats]:
+def episodes_to_rows(
+    episodes: Sequence[Episode], *, merge_steps: bool = True, max_length: int | None = None
+) -> tuple[list[TrainingRow], AssemblyStats]:
     """Rows for every trainable step of every episode (steps marked `excluded` are skipped)."""
     rows: list[TrainingRow] = []
     stats = AssemblyStats()
@@ -110,7 +123,7 @@ def episodes_to_rows(episodes: Sequence[Episode], *, merge_steps: bool = True,
             for s_index, step in enumerate(steps):
                 context = current.input_ids if current is not None else None
                 if merge_steps and context is not None and step.prompt_ids[: len(context)] == context:
-                    observation = step.prompt_ids[len(context):]
+                    observation = step.prompt_ids[len(context) :]
                     current.input_ids += observation + step.response_ids
                     current.loss_mask += [0] * len(observation) + [1] * len(step.response_ids)
                     current.rollout_logprobs += [0.0] * len(observation) + list(step.logprobs)
@@ -122,8 +135,11 @@ def episodes_to_rows(episodes: Sequence[Episode], *, merge_steps: bool = True,
                     rollout_logprobs=[0.0] * len(step.prompt_ids) + list(step.logprobs),
                     reward=reward if merge_steps else _step_reward(step.reward, reward, s_index, len(steps)),
                     group_key=f"{episode.task_id}/{trajectory.name}",
-                    trajectory_key=traj_key, step_index=s_index, num_steps_in_trajectory=len(steps),
-                    episode_index=e_index)
+                    trajectory_key=traj_key,
+                    step_index=s_index,
+                    num_steps_in_trajectory=len(steps),
+                    episode_index=e_index,
+                )
                 rows.append(current)
     for row in rows:
         if max_length is not None and len(row.input_ids) > max_length:
@@ -159,12 +175,17 @@ def rows_to_batch(rows: Sequence[TrainingRow], pad_token_id: int) -> TrainBatch:
         if last is not None:
             token_rewards[b, last] = row.reward
     return TrainBatch(
-        input_ids=input_ids, attention_mask=attention, response_mask=response, rollout_log_probs=logprobs,
-        token_rewards=token_rewards, rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
+        input_ids=input_ids,
+        attention_mask=attention,
+        response_mask=response,
+        rollout_log_probs=logprobs,
+        token_rewards=token_rewards,
+        rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
         group_ids=_dense_ids([r.group_key for r in rows]),
         trajectory_ids=_dense_ids([r.trajectory_key for r in rows]),
         step_index=torch.tensor([r.step_index for r in rows], dtype=torch.long),
-        num_steps=torch.tensor([r.num_steps_in_trajectory for r in rows], dtype=torch.long))
+        num_steps=torch.tensor([r.num_steps_in_trajectory for r in rows], dtype=torch.long),
+    )
 
 
 def _dense_ids(keys: Sequence[str]) -> torch.Tensor:

@@ -23,13 +23,23 @@ import torch
 
 from agentrl.algorithms.filters import build_masked_reasons, compact_filter_keep, rejection_keep_groups
 from agentrl.algorithms.kl import apply_kl_penalty_to_rewards
-from agentrl.checkpoint import find_latest_checkpoint, load_trainer_state, resolve_resume_checkpoint, restore_rng_state, save_checkpoint
+from agentrl.checkpoint import (
+    find_latest_checkpoint,
+    load_trainer_state,
+    resolve_resume_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
 from agentrl.data import RLDataLoader
 from agentrl.engine.assembly import TrainBatch, episodes_to_rows, rows_to_batch
 from agentrl.engine.batch_advantages import compute_batch_advantages
 from agentrl.engine.critic_worker import CriticWorker
-from agentrl.engine.metrics import (compute_batch_metrics, compute_episode_metrics, compute_validation_metrics,
-                                    group_ids_of)
+from agentrl.engine.metrics import (
+    compute_batch_metrics,
+    compute_episode_metrics,
+    compute_validation_metrics,
+    group_ids_of,
+)
 from agentrl.engine.policy_worker import PolicyWorker
 from agentrl.engine.worker_group import build_worker_group
 from agentrl.evaluator import Evaluator, score_episode
@@ -70,14 +80,24 @@ def rows_to_tasks(rows: Sequence[dict], prefix: str) -> list[Task]:
 class Controller:
     """Runs RL training of `flow` scored by `evaluator` on the configured workers and engines."""
 
-    def __init__(self, config: Any, flow: AgentFlow, evaluator: Evaluator, train_rows: Sequence[dict],
-                 val_rows: Sequence[dict] | None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        flow: AgentFlow,
+        evaluator: Evaluator,
+        train_rows: Sequence[dict],
+        val_rows: Sequence[dict] | None,
+    ) -> None:
         self.config = config
         self.flow = flow
         self.evaluator = evaluator
         self.run_dir = Path(config.trainer.default_local_dir)
-        self.loader = RLDataLoader(list(train_rows), batch_size=config.data.train_batch_size,
-                                   shuffle=config.data.shuffle, seed=config.data.seed)
+        self.loader = RLDataLoader(
+            list(train_rows),
+            batch_size=config.data.train_batch_size,
+            shuffle=config.data.shuffle,
+            seed=config.data.seed,
+        )
         self.val_tasks = rows_to_tasks(val_rows or [], "val")
         total = config.trainer.total_training_steps or config.trainer.total_epochs * len(self.loader)
         self.total_steps = int(total)
@@ -92,16 +112,22 @@ class Controller:
     def setup(self) -> None:
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        device = cfg.trainer.device if cfg.trainer.device != "auto" else (
-            "cuda" if torch.cuda.is_available() else "cpu")
+        device = (
+            cfg.trainer.device
+            if cfg.trainer.device != "auto"
+            else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         torch.manual_seed(cfg.trainer.seed)
-        self.policy = build_worker_group(cfg.trainer.backend, PolicyWorker, config=cfg,
-                                         total_steps=self.total_steps, device=device)
+        self.policy = build_worker_group(
+            cfg.trainer.backend, PolicyWorker, config=cfg, total_steps=self.total_steps, device=device
+        )
         if cfg.algorithm.adv_estimator == "gae":
-            self.critic = build_worker_group(cfg.trainer.backend, CriticWorker, config=cfg,
-                                             total_steps=self.total_steps, device=device)
-        resume_from = resolve_resume_checkpoint(cfg.trainer.resume_mode, self.run_dir / "checkpoints",
-                                                cfg.trainer.resume_from_path)
+            self.critic = build_worker_group(
+                cfg.trainer.backend, CriticWorker, config=cfg, total_steps=self.total_steps, device=device
+            )
+        resume_from = resolve_resume_checkpoint(
+            cfg.trainer.resume_mode, self.run_dir / "checkpoints", cfg.trainer.resume_from_path
+        )
         if resume_from is not None:
             self._load_checkpoint(resume_from)
         elif cfg.sft.enable:
@@ -111,15 +137,26 @@ class Controller:
         self.stack = build_rollout_stack(urls, cfg, self.policy.call_first("tokenizer_pad_id"))
         arr = cfg.actor_rollout_ref
         self.collector = RolloutCollector(
-            self.stack.backend, self.stack.model_name,
-            CollectorLimits(max_steps=cfg.agent.max_steps, n_parallel_tasks=cfg.agent.n_parallel_tasks,
-                            retry_limit=cfg.agent.retry_limit, timeout=cfg.agent.timeout,
-                            max_prompt_length=cfg.data.max_prompt_length))
+            self.stack.backend,
+            self.stack.model_name,
+            CollectorLimits(
+                max_steps=cfg.agent.max_steps,
+                n_parallel_tasks=cfg.agent.n_parallel_tasks,
+                retry_limit=cfg.agent.retry_limit,
+                timeout=cfg.agent.timeout,
+                max_prompt_length=cfg.data.max_prompt_length,
+            ),
+        )
         self.n = arr.rollout.n
         # A fresh start (no checkpoint, or resume disabled) must not append to an earlier run's history.
-        self.tracker = build_tracker(cfg.trainer.logger, run_dir=self.run_dir, project_name=cfg.trainer.project_name,
-                                     experiment_name=cfg.trainer.experiment_name, config=cfg.model_dump(),
-                                     resume=resume_from is not None)
+        self.tracker = build_tracker(
+            cfg.trainer.logger,
+            run_dir=self.run_dir,
+            project_name=cfg.trainer.project_name,
+            experiment_name=cfg.trainer.experiment_name,
+            config=cfg.model_dump(),
+            resume=resume_from is not None,
+        )
 
     # ---- the loop ---------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -136,15 +173,22 @@ class Controller:
             with _timer(timing, "step"):
                 with _timer(timing, "gen"):
                     episodes, kept = self.collect_training_episodes()
-                metrics = {"training/global_step": step, "training/epoch": self.loader.epoch,
-                           **compute_episode_metrics(episodes)}
+                metrics = {
+                    "training/global_step": step,
+                    "training/epoch": self.loader.epoch,
+                    **compute_episode_metrics(episodes),
+                }
                 batch = self.assemble(kept, metrics)
                 if batch is not None:
                     metrics.update(self.update(batch, timing))
             self.global_step = step
             tokens = metrics.get("response_length/mean", 0.0) * metrics.get("batch/rows", 0.0)
             metrics.update(timing, **{"perf/throughput": tokens / max(timing["timing/step"], 1e-9)})
-            if cfg.test_freq > 0 and (step % cfg.test_freq == 0 or step == self.total_steps) and self.val_tasks:
+            if (
+                cfg.test_freq > 0
+                and (step % cfg.test_freq == 0 or step == self.total_steps)
+                and self.val_tasks
+            ):
                 metrics.update(self.validate())
             self.tracker.log(metrics, step=step)
             bar.update(1)
@@ -165,10 +209,14 @@ class Controller:
             with _timer(timing, "ref"):
                 batch["ref_log_probs"] = self.policy.call_first("compute_ref_log_prob", batch)
         if cfg.algorithm.use_kl_in_reward:
-            shaped = apply_kl_penalty_to_rewards(batch.token_rewards, batch["old_log_probs"],
-                                                 batch["ref_log_probs"], batch.response_mask,
-                                                 kl_coef=cfg.algorithm.kl_ctrl.kl_coef,
-                                                 kl_type=cfg.algorithm.kl_penalty)
+            shaped = apply_kl_penalty_to_rewards(
+                batch.token_rewards,
+                batch["old_log_probs"],
+                batch["ref_log_probs"],
+                batch.response_mask,
+                kl_coef=cfg.algorithm.kl_ctrl.kl_coef,
+                kl_type=cfg.algorithm.kl_penalty,
+            )
             batch.token_rewards = shaped.token_rewards
             metrics["actor/reward_kl_penalty"] = float(shaped.kl_mean)
         if self.critic is not None:
@@ -177,10 +225,14 @@ class Controller:
         with _timer(timing, "adv"):
             stepwise = cfg.agent.stepwise_advantage
             result = compute_batch_advantages(
-                batch, estimator=cfg.algorithm.adv_estimator, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                batch,
+                estimator=cfg.algorithm.adv_estimator,
+                gamma=cfg.algorithm.gamma,
+                lam=cfg.algorithm.lam,
                 norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
                 stepwise_mode=stepwise.mode if stepwise.enable else None,
-                normalize_by_steps=stepwise.normalize_by_steps)
+                normalize_by_steps=stepwise.normalize_by_steps,
+            )
             batch["advantages"], batch["returns"] = result.advantages, result.returns
         if self.critic is not None:
             with _timer(timing, "update_critic"):
@@ -200,8 +252,9 @@ class Controller:
     def run_episodes(self, tasks: list[Task], n: int, mode: str, desc: str) -> list[Episode]:
         """Collect `n` rollouts per task and score them; failed rollouts are kept, unscored."""
         bar = progress_bar(desc, len(tasks) * n)
-        episodes = asyncio.run(self.collector.collect(self.flow, tasks, n, mode=mode,
-                                                      on_episode=lambda _e: bar.update(1)))
+        episodes = asyncio.run(
+            self.collector.collect(self.flow, tasks, n, mode=mode, on_episode=lambda _e: bar.update(1))
+        )
         bar.close()
         by_id = {t.id: t for t in tasks}
         for episode in episodes:
@@ -230,8 +283,11 @@ class Controller:
 
     def filter_episodes(self, episodes: list[Episode]) -> list[Episode]:
         """Drop failed rollouts and bad scores, then compact filtering, then rejection sampling."""
-        episodes = [e for e in episodes if e.termination_reason != TerminationReason.ERROR
-                    and not e.metrics.get("evaluator_error")]
+        episodes = [
+            e
+            for e in episodes
+            if e.termination_reason != TerminationReason.ERROR and not e.metrics.get("evaluator_error")
+        ]
         compact = self.config.agent.compact_filtering
         if compact.enable and episodes:
             masked = build_masked_reasons(**compact.model_dump(exclude={"enable"}))
@@ -246,12 +302,21 @@ class Controller:
         stepwise = self.config.agent.stepwise_advantage
         merge = not (stepwise.enable and stepwise.mode == "per_step")
         max_length = self.config.data.max_prompt_length + self.config.data.max_response_length
-        rows, stats = episodes_to_rows(episodes, merge_steps=merge, max_length=max_length * self.config.agent.max_steps)
-        metrics.update({"batch/kept_episodes": float(len(episodes)), "batch/merged_steps": float(stats.merged_steps),
-                        "batch/excluded_steps": float(stats.excluded_steps)})
+        rows, stats = episodes_to_rows(
+            episodes, merge_steps=merge, max_length=max_length * self.config.agent.max_steps
+        )
+        metrics.update(
+            {
+                "batch/kept_episodes": float(len(episodes)),
+                "batch/merged_steps": float(stats.merged_steps),
+                "batch/excluded_steps": float(stats.excluded_steps),
+            }
+        )
         if not rows:
-            log.warning("step %d: no trainable rows (all filtered or failed); skipping the update",
-                        self.global_step + 1)
+            log.warning(
+                "step %d: no trainable rows (all filtered or failed); skipping the update",
+                self.global_step + 1,
+            )
             return None
         return rows_to_batch(rows, pad_token_id=self.stack.pad_token_id)
 
@@ -267,9 +332,13 @@ class Controller:
             if self.critic is not None:
                 self.critic.call("save", folder)
 
-        return save_checkpoint(self.run_dir / "checkpoints", self.global_step, write,
-                               {"global_step": self.global_step, "dataloader": self.loader.state_dict()},
-                               max_to_keep=self.config.trainer.max_actor_ckpt_to_keep)
+        return save_checkpoint(
+            self.run_dir / "checkpoints",
+            self.global_step,
+            write,
+            {"global_step": self.global_step, "dataloader": self.loader.state_dict()},
+            max_to_keep=self.config.trainer.max_actor_ckpt_to_keep,
+        )
 
     def _load_checkpoint(self, folder: Path) -> None:
         state = load_trainer_state(folder)

@@ -60,14 +60,23 @@ class CriticWorker:
         for _ in range(cfg.ppo_epochs):
             for rows in split_mini_batches(len(batch), num_minis, self.generator, shuffle=True):
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in split_micro_batches(batch, rows, micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
-                                                 use_dynamic_bsz=False, max_token_len=0):
+                for micro in split_micro_batches(
+                    batch,
+                    rows,
+                    micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+                    use_dynamic_bsz=False,
+                    max_token_len=0,
+                ):
                     mask = micro.response_mask.to(self.device)
                     values = compute_values(self.model, micro)
-                    result = compute_value_loss(values, micro["values"].to(self.device),
-                                                micro["returns"].to(self.device), mask,
-                                                cliprange_value=cfg.cliprange_value,
-                                                loss_agg_mode=cfg.loss_agg_mode)
+                    result = compute_value_loss(
+                        values,
+                        micro["values"].to(self.device),
+                        micro["returns"].to(self.device),
+                        mask,
+                        cliprange_value=cfg.cliprange_value,
+                        loss_agg_mode=cfg.loss_agg_mode,
+                    )
                     (result.loss * len(micro) / len(rows)).backward()
                     sums["critic/vf_loss"] = sums.get("critic/vf_loss", 0.0) + result.loss.item()
                     sums["critic/vf_clipfrac"] = sums.get("critic/vf_clipfrac", 0.0) + float(result.clipfrac)
@@ -85,8 +94,10 @@ class CriticWorker:
     def save(self, folder: Path) -> None:
         folder = Path(folder)
         self.model.save_pretrained(folder / "critic")
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                   folder / "critic_optim.pt")
+        torch.save(
+            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+            folder / "critic_optim.pt",
+        )
 
     def load(self, folder: Path) -> None:
         from safetensors.torch import load_file

@@ -18,8 +18,9 @@ def _shift_right(values: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(values, (1, 0), value=0.0)
 
 
-def compute_log_probs(model: torch.nn.Module, batch: TrainBatch, *,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def compute_log_probs(
+    model: torch.nn.Module, batch: TrainBatch, *, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, L) log-probs of each token under `model`, and (B, L) entropies when asked."""
     device = next(model.parameters()).device
     input_ids = batch.input_ids.to(device)
@@ -33,6 +34,7 @@ def compute_log_probs(model: torch.nn.Module, batch: TrainBatch, *,
 def compute_values(critic: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
     """(B, L) value of the state before each token, from a token-classification head with one label."""
     device = next(critic.parameters()).device
-    out = critic(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                 use_cache=False).logits
+    out = critic(
+        input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), use_cache=False
+    ).logits
     return _shift_right(out[:, :-1, 0].float())

@@ -16,8 +16,14 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: int, target_modules:
     """A peft model with fresh adapters of `rank` on `target_modules` ('all-linear' or module names)."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0,
-                        bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=target_modules,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, config)
 
 
@@ -38,8 +44,11 @@ def served_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
-    merged = {key.replace(".base_layer.", "."): value.detach()
-              for key, value in base.state_dict().items() if "lora_" not in key}
+    merged = {
+        key.replace(".base_layer.", "."): value.detach()
+        for key, value in base.state_dict().items()
+        if "lora_" not in key
+    }
     with torch.no_grad():
         for name, module in base.named_modules():
             if not isinstance(module, LoraLayer) or module.merged:

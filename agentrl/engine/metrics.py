@@ -9,6 +9,7 @@ import torch
 
 from agentrl.algorithms.filters import compute_solve_counts, count_termination_reasons
 from agentrl.engine.assembly import TrainBatch
+from agentrl.evaluator import EVAL_METRIC_PREFIX
 from agentrl.types import Episode
 
 
@@ -25,6 +26,16 @@ def group_ids_of(episodes: Sequence[Episode]) -> torch.Tensor:
     return torch.tensor([index.setdefault(e.task_id, len(index)) for e in episodes], dtype=torch.long)
 
 
+def mean_evaluator_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str, float]:
+    """The mean of each metric the evaluator reported (`EvalOutput.metrics`), as `{prefix}/<name>`."""
+    sums: dict[str, list[float]] = defaultdict(list)
+    for episode in episodes:
+        for key, value in episode.metrics.items():
+            if key.startswith(EVAL_METRIC_PREFIX):
+                sums[key[len(EVAL_METRIC_PREFIX) :]].append(value)
+    return {f"{prefix}/{name}": sum(v) / len(v) for name, v in sums.items()}
+
+
 def compute_episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """Reward, correctness, termination reasons and solve counts of one step's rollouts."""
     if not episodes:
@@ -34,11 +45,17 @@ def compute_episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     for reason, count in count_termination_reasons([e.termination_reason for e in episodes]).items():
         metrics[f"batch/termination_reason/{reason}"] = count / len(episodes)
     solve = compute_solve_counts(torch.tensor([e.is_correct for e in episodes]), group_ids_of(episodes))
-    metrics.update({"batch/solve_all": solve.solve_all, "batch/solve_none": solve.solve_none,
-                    "batch/solve_partial": solve.solve_partial})
+    metrics.update(
+        {
+            "batch/solve_all": solve.solve_all,
+            "batch/solve_none": solve.solve_none,
+            "batch/solve_partial": solve.solve_partial,
+        }
+    )
     metrics.update(_stats("episode/model_calls", [e.metrics.get("num_model_calls", 0.0) for e in episodes]))
     metrics["batch/trace_mismatch"] = sum(e.metrics.get("trace_mismatch", 0.0) for e in episodes)
     metrics["batch/evaluator_errors"] = sum(e.metrics.get("evaluator_error", 0.0) for e in episodes)
+    metrics.update(mean_evaluator_metrics(episodes, "batch"))
     return metrics
 
 
@@ -51,6 +68,7 @@ def compute_validation_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     if episodes:
         metrics["val/accuracy"] = sum(e.is_correct for e in episodes) / len(episodes)
         metrics["val/num_episodes"] = float(len(episodes))
+    metrics.update(mean_evaluator_metrics(episodes, "val"))
     return metrics
 
 
@@ -58,16 +76,26 @@ def compute_batch_metrics(batch: TrainBatch) -> dict[str, float]:
     """Lengths, advantages, returns, values and the rollout-vs-trainer log-prob gap of a batch."""
     mask = batch.response_mask
     response_lengths = mask.sum(dim=1).float()
-    metrics = {"response_length/mean": response_lengths.mean().item(),
-               "response_length/max": response_lengths.max().item(),
-               "prompt_length/mean": (batch.attention_mask.sum(dim=1).float() - response_lengths).mean().item(),
-               "batch/rows": float(len(batch))}
-    for key, name in (("advantages", "critic/advantages"), ("returns", "critic/returns"),
-                      ("values", "critic/values")):
+    metrics = {
+        "response_length/mean": response_lengths.mean().item(),
+        "response_length/max": response_lengths.max().item(),
+        "prompt_length/mean": (batch.attention_mask.sum(dim=1).float() - response_lengths).mean().item(),
+        "batch/rows": float(len(batch)),
+    }
+    for key, name in (
+        ("advantages", "critic/advantages"),
+        ("returns", "critic/returns"),
+        ("values", "critic/values"),
+    ):
         if key in batch.tensors and mask.any():
             values = batch[key][mask]
-            metrics.update({f"{name}/mean": values.mean().item(), f"{name}/max": values.max().item(),
-                            f"{name}/min": values.min().item()})
+            metrics.update(
+                {
+                    f"{name}/mean": values.mean().item(),
+                    f"{name}/max": values.max().item(),
+                    f"{name}/min": values.min().item(),
+                }
+            )
     if "old_log_probs" in batch.tensors and mask.any():
         gap = (batch["old_log_probs"] - batch.rollout_log_probs)[mask].abs()
         metrics["rollout/logprob_diff_mean"] = gap.mean().item()

@@ -14,7 +14,9 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: Any) -> torch.o
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         raise ValueError("no trainable parameters: with LoRA check actor_rollout_ref.model.target_modules")
-    return torch.optim.AdamW(trainable, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas))
+    return torch.optim.AdamW(
+        trainable, lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
+    )
 
 
 def warmup_steps(optim: Any, total_steps: int) -> int:

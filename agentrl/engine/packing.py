@@ -11,16 +11,18 @@ import torch
 from agentrl.engine.assembly import TrainBatch
 
 
-def split_mini_batches(batch_size: int, num_mini_batches: int, generator: torch.Generator | None,
-                       shuffle: bool) -> list[torch.Tensor]:
+def split_mini_batches(
+    batch_size: int, num_mini_batches: int, generator: torch.Generator | None, shuffle: bool
+) -> list[torch.Tensor]:
     """Row indices of `num_mini_batches` near-equal mini-batches (shuffled when `shuffle`)."""
     order = torch.randperm(batch_size, generator=generator) if shuffle else torch.arange(batch_size)
     num = max(1, min(num_mini_batches, batch_size))
     return [chunk for chunk in torch.chunk(order, num) if len(chunk)]
 
 
-def split_micro_batches(batch: TrainBatch, rows: torch.Tensor, *, micro_batch_size: int,
-                        use_dynamic_bsz: bool, max_token_len: int) -> list[TrainBatch]:
+def split_micro_batches(
+    batch: TrainBatch, rows: torch.Tensor, *, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int
+) -> list[TrainBatch]:
     """Micro-batches of one mini-batch, each trimmed to its own longest row.
 
     With `use_dynamic_bsz`, rows are sorted by length and packed greedily so that rows * longest row stays

@@ -40,8 +40,12 @@ class PolicyWorker:
             actor.gradient_checkpointing_enable()
             actor.config.use_cache = False
         if arr.model.lora_rank > 0:
-            actor = apply_lora(actor, rank=arr.model.lora_rank, alpha=arr.model.lora_alpha,
-                               target_modules=arr.model.target_modules)
+            actor = apply_lora(
+                actor,
+                rank=arr.model.lora_rank,
+                alpha=arr.model.lora_alpha,
+                target_modules=arr.model.target_modules,
+            )
         self.actor = actor
         needs_ref = arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward
         self.ref = None
@@ -54,15 +58,25 @@ class PolicyWorker:
         self.rollout = None
 
     def tokenizer_pad_id(self) -> int:
-        return int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
-                   else self.tokenizer.eos_token_id)
+        return int(
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.tokenizer.eos_token_id
+        )
 
     def warm_start(self, sft: Any, rows: list[dict]) -> dict[str, float]:
         """Supervised warm start of the actor; the reference policy becomes the warm-started model."""
         from agentrl.engine.sft import run_sft
 
-        metrics = run_sft(self.actor, self.tokenizer, rows, sft, seed=self.config.trainer.seed,
-                          pad_token_id=self.tokenizer_pad_id(), prompt_key=self.config.data.prompt_key)
+        metrics = run_sft(
+            self.actor,
+            self.tokenizer,
+            rows,
+            sft,
+            seed=self.config.trainer.seed,
+            pad_token_id=self.tokenizer_pad_id(),
+            prompt_key=self.config.data.prompt_key,
+        )
         if self.ref is not None:
             self.ref = copy.deepcopy(self.actor).eval().requires_grad_(False)
         return metrics
@@ -72,7 +86,9 @@ class PolicyWorker:
         """Start the rollout engine `rollout.name` names, sync the actor's weights to it; returns its URLs."""
         from agentrl.rollout.backend import build_rollout_backend
 
-        self.rollout = build_rollout_backend(self.model_path, self.tokenizer, self.config, device=str(self.device))
+        self.rollout = build_rollout_backend(
+            self.model_path, self.tokenizer, self.config, device=str(self.device)
+        )
         self.sync_weights()
         return self.rollout.urls
 
@@ -82,7 +98,9 @@ class PolicyWorker:
 
         arr = self.config.actor_rollout_ref
         served_dtype = arr.rollout.vllm.dtype if arr.rollout.name == "vllm" else arr.model.dtype
-        return sync_rollout_weights(self.actor, self.rollout, self.tokenizer, dtypes=(arr.model.dtype, served_dtype))
+        return sync_rollout_weights(
+            self.actor, self.rollout, self.tokenizer, dtypes=(arr.model.dtype, served_dtype)
+        )
 
     def sleep_rollout(self) -> None:
         if self.rollout is not None and self.config.actor_rollout_ref.rollout.free_cache_engine:
@@ -97,8 +115,9 @@ class PolicyWorker:
     def compute_log_prob(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         """Old log-probs (and entropy) of the current actor, for the PPO ratio."""
         self.actor.eval()
-        log_probs, entropy = self._map_micro_batches(batch, lambda mb: compute_log_probs(
-            self.actor, mb, with_entropy=True))
+        log_probs, entropy = self._map_micro_batches(
+            batch, lambda mb: compute_log_probs(self.actor, mb, with_entropy=True)
+        )
         return {"old_log_probs": log_probs, "entropy": entropy}
 
     @torch.no_grad()
@@ -121,8 +140,12 @@ class PolicyWorker:
             for rows in split_mini_batches(len(batch), num_minis, self.generator, actor_cfg.shuffle):
                 self.optimizer.zero_grad(set_to_none=True)
                 micro_batches = split_micro_batches(
-                    batch, rows, micro_batch_size=actor_cfg.ppo_micro_batch_size_per_gpu,
-                    use_dynamic_bsz=actor_cfg.use_dynamic_bsz, max_token_len=actor_cfg.ppo_max_token_len_per_gpu)
+                    batch,
+                    rows,
+                    micro_batch_size=actor_cfg.ppo_micro_batch_size_per_gpu,
+                    use_dynamic_bsz=actor_cfg.use_dynamic_bsz,
+                    max_token_len=actor_cfg.ppo_max_token_len_per_gpu,
+                )
                 for micro in micro_batches:
                     stats = self._actor_loss(micro, weight=len(micro) / len(rows))
                     for key, value in stats.items():
@@ -134,7 +157,9 @@ class PolicyWorker:
                 else:
                     skipped += 1
                     log.warning("actor: non-finite grad norm %s; optimizer step skipped", grad_norm.item())
-                sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm) * len(micro_batches)
+                sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm) * len(
+                    micro_batches
+                )
         self.scheduler.step()
         metrics = {key: value / max(count, 1) for key, value in sums.items()}
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
@@ -147,15 +172,25 @@ class PolicyWorker:
         mask = micro.response_mask.to(self.device)
         log_probs, entropy = compute_log_probs(self.actor, micro, with_entropy=True)
         result = compute_policy_loss(
-            log_probs, micro["old_log_probs"].to(self.device), micro["advantages"].to(self.device), mask,
+            log_probs,
+            micro["old_log_probs"].to(self.device),
+            micro["advantages"].to(self.device),
+            mask,
             clip_ratio_low=cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio,
             clip_ratio_high=cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio,
-            clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode)
+            clip_ratio_c=cfg.clip_ratio_c,
+            loss_agg_mode=cfg.loss_agg_mode,
+        )
         entropy_loss = aggregate_loss(entropy, mask, cfg.loss_agg_mode)
         loss = result.loss - cfg.entropy_coeff * entropy_loss
-        stats = {"actor/pg_loss": result.loss.item(), "actor/pg_clipfrac": float(result.clipfrac),
-                 "actor/pg_clipfrac_lower": float(result.clipfrac_lower), "actor/ppo_kl": float(result.ppo_kl),
-                 "actor/ppo_ratio_mean": float(result.ratio_mean), "actor/entropy": entropy_loss.item()}
+        stats = {
+            "actor/pg_loss": result.loss.item(),
+            "actor/pg_clipfrac": float(result.clipfrac),
+            "actor/pg_clipfrac_lower": float(result.clipfrac_lower),
+            "actor/ppo_kl": float(result.ppo_kl),
+            "actor/ppo_ratio_mean": float(result.ratio_mean),
+            "actor/entropy": entropy_loss.item(),
+        }
         if cfg.use_kl_loss:
             kl = compute_kl_penalty(log_probs, micro["ref_log_probs"].to(self.device), cfg.kl_loss_type)
             kl_loss = aggregate_loss(kl, mask, cfg.loss_agg_mode)
@@ -172,10 +207,15 @@ class PolicyWorker:
         parts: list[tuple] = []
         for rows in torch.split(torch.arange(len(batch)), size):
             outs = fn(batch.select(rows))
-            parts.append(tuple(None if o is None else
-                               torch.nn.functional.pad(o.cpu(), (0, length - o.shape[1])) for o in outs))
-        return tuple(None if parts[0][i] is None else torch.cat([p[i] for p in parts])
-                     for i in range(len(parts[0])))
+            parts.append(
+                tuple(
+                    None if o is None else torch.nn.functional.pad(o.cpu(), (0, length - o.shape[1]))
+                    for o in outs
+                )
+            )
+        return tuple(
+            None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(len(parts[0]))
+        )
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def save(self, folder: Path) -> None:
@@ -183,8 +223,14 @@ class PolicyWorker:
         folder = Path(folder)
         self.actor.save_pretrained(folder / "actor")
         self.tokenizer.save_pretrained(folder / "actor")
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "generator": self.generator.get_state()}, folder / "actor_optim.pt")
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "generator": self.generator.get_state(),
+            },
+            folder / "actor_optim.pt",
+        )
 
     def load(self, folder: Path) -> None:
         from safetensors.torch import load_file
@@ -195,11 +241,14 @@ class PolicyWorker:
 
             set_peft_model_state_dict(self.actor, load_file(folder / "adapter_model.safetensors"))
         else:
-            missing, unexpected = self.actor.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
+            missing, unexpected = self.actor.load_state_dict(
+                load_file(folder / "model.safetensors"), strict=False
+            )
             tied = {"lm_head.weight"} if self.actor.config.tie_word_embeddings else set()
             if set(missing) - tied or unexpected:
-                raise RuntimeError(f"checkpoint {folder} does not fit the actor: missing {missing}, "
-                                   f"unexpected {unexpected}")
+                raise RuntimeError(
+                    f"checkpoint {folder} does not fit the actor: missing {missing}, unexpected {unexpected}"
+                )
         state = torch.load(folder.parent / "actor_optim.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

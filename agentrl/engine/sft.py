@@ -24,8 +24,9 @@ def reference_response(row: dict[str, Any]) -> str:
     return str((row.get("reward_model") or {}).get("ground_truth", ""))
 
 
-def build_sft_examples(tokenizer: Any, rows: Sequence[dict[str, Any]], prompt_key: str = "prompt"
-                       ) -> list[tuple[list[int], list[int]]]:
+def build_sft_examples(
+    tokenizer: Any, rows: Sequence[dict[str, Any]], prompt_key: str = "prompt"
+) -> list[tuple[list[int], list[int]]]:
     """(input_ids, loss_mask) per row: the chat prompt, then the response and the end-of-turn token."""
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     examples = []
@@ -38,8 +39,16 @@ def build_sft_examples(tokenizer: Any, rows: Sequence[dict[str, Any]], prompt_ke
     return examples
 
 
-def run_sft(model: torch.nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], sft: Any, *,
-            seed: int, pad_token_id: int, prompt_key: str = "prompt") -> dict[str, float]:
+def run_sft(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    rows: Sequence[dict[str, Any]],
+    sft: Any,
+    *,
+    seed: int,
+    pad_token_id: int,
+    prompt_key: str = "prompt",
+) -> dict[str, float]:
     """Train `model` in place for `sft.epochs` (or `sft.max_steps`); returns the first and last loss."""
     examples = build_sft_examples(tokenizer, rows, prompt_key)
     device = next(model.parameters()).device
@@ -52,10 +61,14 @@ def run_sft(model: torch.nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any
         order = list(range(len(examples)))
         rng.shuffle(order)
         for start in range(0, len(order), sft.batch_size):
-            chunk = [examples[i] for i in order[start:start + sft.batch_size]]
+            chunk = [examples[i] for i in order[start : start + sft.batch_size]]
             input_ids, labels, attention = _pad(chunk, pad_token_id)
-            out = model(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                        labels=labels.to(device), use_cache=False)
+            out = model(
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
+                labels=labels.to(device),
+                use_cache=False,
+            )
             optimizer.zero_grad(set_to_none=True)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -78,13 +91,16 @@ def _pad(chunk: list[tuple[list[int], list[int]]], pad_token_id: int):
     labels = torch.full((len(chunk), length), -100, dtype=torch.long)
     attention = torch.zeros((len(chunk), length), dtype=torch.long)
     for b, (ids, mask) in enumerate(chunk):
-        input_ids[b, :len(ids)] = torch.tensor(ids)
-        attention[b, :len(ids)] = 1
-        labels[b, :len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask, strict=True)])
+        input_ids[b, : len(ids)] = torch.tensor(ids)
+        attention[b, : len(ids)] = 1
+        labels[b, : len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask, strict=True)])
     return input_ids, labels, attention
 
 
 def _summary(losses: list[float], steps: int) -> dict[str, float]:
     tail = losses[-10:] or [float("nan")]
-    return {"sft/steps": float(steps), "sft/first_loss": losses[0] if losses else float("nan"),
-            "sft/final_loss": sum(tail) / len(tail)}
+    return {
+        "sft/steps": float(steps),
+        "sft/first_loss": losses[0] if losses else float("nan"),
+        "sft/final_loss": sum(tail) / len(tail),
+    }

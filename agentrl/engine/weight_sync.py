@@ -59,8 +59,9 @@ def score_tokens(model: torch.nn.Module, prompt_ids: Sequence[int], token_ids: S
     return logits.log_softmax(-1).gather(-1, targets).squeeze(-1).tolist()
 
 
-def check_probe(model: torch.nn.Module, prompt_ids: Sequence[int], results: Sequence[ProbeResult],
-                tolerance: float) -> float:
+def check_probe(
+    model: torch.nn.Module, prompt_ids: Sequence[int], results: Sequence[ProbeResult], tolerance: float
+) -> float:
     """Score every server's probe tokens with `model`; raise naming the first server off by more than
     `tolerance`. Returns the largest gap seen."""
     worst = 0.0
@@ -70,13 +71,15 @@ def check_probe(model: torch.nn.Module, prompt_ids: Sequence[int], results: Sequ
             raise RuntimeError(
                 f"weight sync failed: server {result.url} log-probs differ from the trainer's by {gap:.3g} "
                 f"(tolerance {tolerance:g}) on the probe's tokens {result.token_ids}; refusing to generate "
-                f"with weights the trainer does not hold")
+                f"with weights the trainer does not hold"
+            )
         worst = max(worst, gap)
     return worst
 
 
-def sync_rollout_weights(actor: torch.nn.Module, rollout: RolloutBackend, tokenizer: Any, *,
-                         dtypes: Sequence[str]) -> dict[str, float]:
+def sync_rollout_weights(
+    actor: torch.nn.Module, rollout: RolloutBackend, tokenizer: Any, *, dtypes: Sequence[str]
+) -> dict[str, float]:
     """Push `actor`'s served weights (LoRA merged) and verify them; returns the sync metrics."""
     state = served_state_dict(actor)
     version = rollout.push_weights(state)
@@ -85,11 +88,14 @@ def sync_rollout_weights(actor: torch.nn.Module, rollout: RolloutBackend, tokeni
     if served is not None:
         expected = fingerprint_state_dict(state)
         if served != expected:
-            raise RuntimeError(f"weight sync failed: the engine serves fingerprint {served}, the trainer "
-                               f"holds {expected}; refusing to generate with stale weights")
+            raise RuntimeError(
+                f"weight sync failed: the engine serves fingerprint {served}, the trainer "
+                f"holds {expected}; refusing to generate with stale weights"
+            )
         return metrics
     prompt_ids = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
     results = rollout.probe(prompt_ids, PROBE_MAX_TOKENS)
-    metrics["rollout/sync_probe_logprob_diff"] = check_probe(actor, prompt_ids, results,
-                                                             probe_tolerance(*dtypes))
+    metrics["rollout/sync_probe_logprob_diff"] = check_probe(
+        actor, prompt_ids, results, probe_tolerance(*dtypes)
+    )
     return metrics

@@ -46,4 +46,6 @@ def build_worker_group(backend: str, worker_cls: type, **kwargs: Any) -> WorkerG
     """A worker group of `worker_cls(**kwargs)` on `trainer.backend`."""
     if backend == "local":
         return LocalWorkerGroup(worker_cls(**kwargs))
-    raise ValueError(f"trainer.backend={backend!r} is not available in this version; use trainer.backend=local")
+    raise ValueError(
+        f"trainer.backend={backend!r} is not available in this version; use trainer.backend=local"
+    )

@@ -65,19 +65,31 @@ def build_rollout_backend(model_path: str, tokenizer: Any, config: Any, *, devic
     raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is not an engine; use 'embedded' or 'vllm'")
 
 
-def probe_server(url: str, model_name: str, prompt_ids: Sequence[int], max_tokens: int,
-                 timeout: float = 60.0) -> ProbeResult:
+def probe_server(
+    url: str, model_name: str, prompt_ids: Sequence[int], max_tokens: int, timeout: float = 60.0
+) -> ProbeResult:
     """POST one greedy `/v1/completions` with token-id prompt, `logprobs` and `return_token_ids`.
 
     Both engines answer this request in the same shape (vLLM 0.32's), so one function probes either.
     """
-    body = {"model": model_name, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0,
-            "logprobs": 0, "return_token_ids": True}
-    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = {
+        "model": model_name,
+        "prompt": list(prompt_ids),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             choice = json.loads(resp.read())["choices"][0]
     except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as e:
-        raise RuntimeError(f"weight-sync probe of {url}/v1/completions failed: {type(e).__name__}: {e}") from e
-    return ProbeResult(url, list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]])
+        raise RuntimeError(
+            f"weight-sync probe of {url}/v1/completions failed: {type(e).__name__}: {e}"
+        ) from e
+    return ProbeResult(
+        url, list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
+    )

@@ -20,6 +20,7 @@ import httpx
 import openai
 
 from agentrl.flow import AgentFlow, RolloutContext
+from agentrl.rollout.gateway import TURN_LIMIT_CODE
 from agentrl.types import Episode, Step, Task, TerminationReason, Trace, Trajectory
 
 _RETRYABLE = (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError)
@@ -28,8 +29,11 @@ _RETRYABLE = (openai.APIConnectionError, openai.APITimeoutError, openai.Internal
 class SessionBackend(Protocol):
     """What the collector needs from the gateway: sessions, and the traces recorded under them."""
 
-    def open_session(self, session_id: str, mode: str) -> str:
-        """Register a session and return the OpenAI base URL for it."""
+    def open_session(self, session_id: str, mode: str, max_calls: int | None = None) -> str:
+        """Register a session (at most `max_calls` model calls) and return its OpenAI base URL."""
+
+    def refused_calls(self, session_id: str) -> int:
+        """Model calls the gateway refused because the session reached `max_calls`."""
 
     def session_traces(self, session_id: str) -> list[Trace]:
         """Traces of the session's model calls, in call order."""
@@ -58,13 +62,16 @@ class RolloutCollector:
         self.model_name = model_name
         self.limits = limits
 
-    async def collect(self, flow: AgentFlow, tasks: Sequence[Task], n: int, mode: str = "train",
-                      on_episode=None) -> list[Episode]:
+    async def collect(
+        self, flow: AgentFlow, tasks: Sequence[Task], n: int, mode: str = "train", on_episode=None
+    ) -> list[Episode]:
         """`n` rollouts of every task, at most `agent.n_parallel_tasks` at a time; never raises."""
         gate = asyncio.Semaphore(self.limits.n_parallel_tasks)
         # One HTTP client for every rollout: building an OpenAI client with its own costs ~15 ms each.
-        limits = httpx.Limits(max_connections=self.limits.n_parallel_tasks * 2,
-                              max_keepalive_connections=self.limits.n_parallel_tasks)
+        limits = httpx.Limits(
+            max_connections=self.limits.n_parallel_tasks * 2,
+            max_keepalive_connections=self.limits.n_parallel_tasks,
+        )
         async with httpx.AsyncClient(timeout=self.limits.timeout, limits=limits) as http:
 
             async def one(task: Task, sample: int) -> Episode:
@@ -76,8 +83,9 @@ class RolloutCollector:
 
             return list(await asyncio.gather(*(one(task, i) for task in tasks for i in range(n))))
 
-    async def _rollout(self, flow: AgentFlow, task: Task, sample: int, mode: str,
-                       http: httpx.AsyncClient) -> Episode:
+    async def _rollout(
+        self, flow: AgentFlow, task: Task, sample: int, mode: str, http: httpx.AsyncClient
+    ) -> Episode:
         episode = Episode()
         for attempt in range(self.limits.retry_limit):
             session_id = f"{task.id}.{sample}.{uuid.uuid4().hex[:8]}"
@@ -89,37 +97,55 @@ class RolloutCollector:
         episode.metrics["retries"] = float(attempt)
         return episode
 
-    async def _attempt(self, flow: AgentFlow, task: Task, session_id: str, mode: str,
-                       http: httpx.AsyncClient) -> Episode:
-        base_url = self.backend.open_session(session_id, mode)
-        client = openai.AsyncOpenAI(base_url=base_url, api_key="agentrl", max_retries=0,
-                                    timeout=self.limits.timeout, http_client=http)
-        ctx = RolloutContext(client=client, model=self.model_name, session_id=session_id,
-                             base_url=base_url, max_steps=self.limits.max_steps, mode=mode)
+    async def _attempt(
+        self, flow: AgentFlow, task: Task, session_id: str, mode: str, http: httpx.AsyncClient
+    ) -> Episode:
+        base_url = self.backend.open_session(session_id, mode, max_calls=self.limits.max_steps)
+        client = openai.AsyncOpenAI(
+            base_url=base_url, api_key="agentrl", max_retries=0, timeout=self.limits.timeout, http_client=http
+        )
+        ctx = RolloutContext(
+            client=client,
+            model=self.model_name,
+            session_id=session_id,
+            base_url=base_url,
+            max_steps=self.limits.max_steps,
+            mode=mode,
+        )
         started = time.perf_counter()
         result, reason, error, retryable = None, None, None, False
         try:
             result = await asyncio.wait_for(_run_flow(flow, task, ctx), timeout=self.limits.timeout)
         except asyncio.TimeoutError:
-            reason, error = TerminationReason.TIMEOUT, f"rollout exceeded agent.timeout={self.limits.timeout}s"
+            reason, error = (
+                TerminationReason.TIMEOUT,
+                f"rollout exceeded agent.timeout={self.limits.timeout}s",
+            )
         except openai.BadRequestError as exc:
+            if exc.code == TURN_LIMIT_CODE:  # the gateway refused a call beyond agent.max_steps
+                reason = TerminationReason.MAX_TURNS_EXCEEDED
             too_long = "length" in str(exc).lower() and "prompt" in str(exc).lower()
-            reason = TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED if too_long else TerminationReason.ERROR
-            error = f"{exc!r}\n{traceback.format_exc()}"
+            if reason is None:
+                reason = TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED if too_long else TerminationReason.ERROR
+                error = f"{exc!r}\n{traceback.format_exc()}"
         except _RETRYABLE as exc:
             reason, error, retryable = TerminationReason.ERROR, f"{exc!r}\n{traceback.format_exc()}", True
         except Exception as exc:  # noqa: BLE001 - a failing agent costs one rollout, not the run
             reason, error = TerminationReason.ERROR, f"{exc!r}\n{traceback.format_exc()}"
         finally:
             traces = self.backend.session_traces(session_id)
+            refused = self.backend.refused_calls(session_id)
             self.backend.close_session(session_id)
         try:
-            episode = build_episode(task, flow.name, result, traces) if reason is None else \
-                build_episode(task, flow.name, None, traces)
+            episode = (
+                build_episode(task, flow.name, result, traces)
+                if reason is None
+                else build_episode(task, flow.name, None, traces)
+            )
         except TypeError as exc:
             reason, error = TerminationReason.ERROR, str(exc)
             episode = build_episode(task, flow.name, None, traces)
-        episode.termination_reason = reason or classify_termination(episode, traces, self.limits)
+        episode.termination_reason = reason or classify_termination(episode, traces, self.limits, refused)
         episode.error = error
         episode.metrics.update(num_model_calls=float(len(traces)), latency_s=time.perf_counter() - started)
         if retryable:
@@ -142,18 +168,27 @@ async def _run_flow(flow: AgentFlow, task: Task, ctx: RolloutContext):
 
 def step_from_trace(trace: Trace) -> Step:
     """A Step carrying exactly the tokens and logprobs the engine produced for one call."""
-    return Step(prompt_ids=trace.prompt_ids, response_ids=trace.completion_ids, logprobs=trace.logprobs,
-                messages=trace.messages or [], model_response=trace.completion_text,
-                finish_reason=trace.finish_reason,
-                info={"policy_version": trace.policy_version, "request_id": trace.request_id})
+    return Step(
+        prompt_ids=trace.prompt_ids,
+        response_ids=trace.completion_ids,
+        logprobs=trace.logprobs,
+        messages=trace.messages or [],
+        model_response=trace.completion_text,
+        finish_reason=trace.finish_reason,
+        info={"policy_version": trace.policy_version, "request_id": trace.request_id},
+    )
 
 
 def build_episode(task: Task, flow_name: str, result, traces: list[Trace]) -> Episode:
     """Turn what `flow.run` returned into an Episode whose steps carry the traced tokens."""
     if result is None or isinstance(result, str):
         steps = [step_from_trace(t) for t in traces]
-        return Episode(task_id=task.id, task=task.data, answer=result,
-                       trajectories=[Trajectory(name=flow_name, steps=steps)])
+        return Episode(
+            task_id=task.id,
+            task=task.data,
+            answer=result,
+            trajectories=[Trajectory(name=flow_name, steps=steps)],
+        )
     if isinstance(result, Trajectory):
         episode = Episode(task_id=task.id, task=task.data, trajectories=[result])
     elif isinstance(result, Episode):
@@ -193,16 +228,19 @@ def fill_steps_from_traces(trajectories: list[Trajectory], traces: list[Trace]) 
                 continue
             unused.remove(match)
             filled = step_from_trace(match)
-            trajectory.steps[i] = filled.model_copy(update={"reward": step.reward, "done": step.done,
-                                                            "info": {**step.info, **filled.info}})
+            trajectory.steps[i] = filled.model_copy(
+                update={"reward": step.reward, "done": step.done, "info": {**step.info, **filled.info}}
+            )
     return mismatches
 
 
-def classify_termination(episode: Episode, traces: list[Trace], limits: CollectorLimits) -> TerminationReason:
+def classify_termination(
+    episode: Episode, traces: list[Trace], limits: CollectorLimits, refused_calls: int = 0
+) -> TerminationReason:
     """Why a rollout that returned normally ended, from its traces and the agent limits."""
     if episode.termination_reason != TerminationReason.UNKNOWN:
         return episode.termination_reason
-    if len(traces) > limits.max_steps:
+    if refused_calls or len(traces) > limits.max_steps:
         return TerminationReason.MAX_TURNS_EXCEEDED
     if any(len(t.prompt_ids) > limits.max_prompt_length for t in traces):
         return TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED

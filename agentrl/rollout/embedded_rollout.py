@@ -58,10 +58,17 @@ def start_embedded_rollout(model_path: str, tokenizer: Any, config: Any, *, devi
     """Load the serving copy of the policy and start its server (`actor_rollout_ref.rollout.*`)."""
     rollout = config.actor_rollout_ref.rollout
     model = load_causal_lm(model_path, dtype=config.actor_rollout_ref.model.dtype, device=device)
-    engine = EmbeddedEngine(model, tokenizer, max_num_seqs=rollout.max_num_seqs, max_model_len=rollout.max_model_len)
+    engine = EmbeddedEngine(
+        model, tokenizer, max_num_seqs=rollout.max_num_seqs, max_model_len=rollout.max_model_len
+    )
     name = served_model_name(config)
-    app = build_server_app(engine, tokenizer, model_name=name,
-                           max_model_len=rollout.max_model_len, max_n=rollout.max_n_per_request)
+    app = build_server_app(
+        engine,
+        tokenizer,
+        model_name=name,
+        max_model_len=rollout.max_model_len,
+        max_n=rollout.max_n_per_request,
+    )
     try:
         server = start_server_in_thread(app)
     except Exception:

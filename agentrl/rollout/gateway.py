@@ -71,14 +71,18 @@ class _SessionBody(BaseModel):
     mode: str = "train"
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+TURN_LIMIT_CODE = "max_turns_exceeded"
+"""Error code of the 400 a session gets for a model call beyond its cap (`agent.max_steps`)."""
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     kind = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error"}
     body = {
         "error": {
             "message": message,
             "type": kind.get(status, "server_error"),
             "param": param,
-            "code": status,
+            "code": code or status,
         }
     }
     return JSONResponse(body, status_code=status)
@@ -197,6 +201,13 @@ def build_gateway_app(
         if req.n > max_n:
             raise _BadRequest(
                 f"invalid field 'n': {req.n} is above the cap of {max_n} (rollout.max_n_per_request)", "n"
+            )
+        if not trace_store.begin_call(sid):
+            return _error(
+                400,
+                f"session {sid!r} reached its limit of model calls (agent.max_steps)",
+                "session_id",
+                code=TURN_LIMIT_CODE,
             )
         upstream = build_upstream_body(raw, req, sampling[mode], pool.served_model, chat=chat)
         started = time.perf_counter()

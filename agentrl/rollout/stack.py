@@ -21,11 +21,16 @@ def build_sampling_params(config: Any) -> tuple[SamplingParams, SamplingParams]:
     """Train and validation sampling from `actor_rollout_ref.rollout` (and its `val_kwargs`)."""
     rollout = config.actor_rollout_ref.rollout
     max_tokens = config.data.max_response_length
-    train = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                           max_tokens=max_tokens)
+    train = SamplingParams(
+        temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k, max_tokens=max_tokens
+    )
     val = rollout.val_kwargs
-    validation = SamplingParams(temperature=val.temperature if val.do_sample else 0.0, top_p=val.top_p,
-                                top_k=val.top_k, max_tokens=max_tokens)
+    validation = SamplingParams(
+        temperature=val.temperature if val.do_sample else 0.0,
+        top_p=val.top_p,
+        top_k=val.top_k,
+        max_tokens=max_tokens,
+    )
     return train, validation
 
 
@@ -36,12 +41,20 @@ class RolloutStack:
         self.model_name = served_model_name(config)
         self.pad_token_id = pad_token_id
         self.traces = TraceStore()
-        self.pool = RolloutPool(list(server_urls), model_name=self.model_name,
-                                engine=config.actor_rollout_ref.rollout.name,
-                                request_timeout=config.agent.timeout)
+        self.pool = RolloutPool(
+            list(server_urls),
+            model_name=self.model_name,
+            engine=config.actor_rollout_ref.rollout.name,
+            request_timeout=config.agent.timeout,
+        )
         train, validation = build_sampling_params(config)
-        app = build_gateway_app(self.pool, self.traces, sampling_train=train, sampling_val=validation,
-                                max_n=config.actor_rollout_ref.rollout.max_n_per_request)
+        app = build_gateway_app(
+            self.pool,
+            self.traces,
+            sampling_train=train,
+            sampling_val=validation,
+            max_n=config.actor_rollout_ref.rollout.max_n_per_request,
+        )
         self.gateway: ServerHandle | None = start_server_in_thread(app)
         self.backend = self
 
@@ -49,9 +62,12 @@ class RolloutStack:
     def url(self) -> str:
         return self.gateway.url
 
-    def open_session(self, session_id: str, mode: str) -> str:
-        self.traces.open_session(session_id, mode)
+    def open_session(self, session_id: str, mode: str, max_calls: int | None = None) -> str:
+        self.traces.open_session(session_id, mode, max_calls=max_calls)
         return f"{self.gateway.url}/sessions/{session_id}/v1"
+
+    def refused_calls(self, session_id: str) -> int:
+        return self.traces.refused_calls(session_id)
 
     def session_traces(self, session_id: str) -> list[Trace]:
         return self.traces.traces(session_id)

@@ -44,9 +44,17 @@ class TraceStore:
         self._lock = threading.Lock()
         self._modes: dict[str, SamplingMode] = {}
         self._traces: dict[str, list[Trace]] = {}
+        self._max_calls: dict[str, int | None] = {}
+        self._calls: dict[str, int] = {}
+        self._refused: dict[str, int] = {}
 
-    def open_session(self, session_id: str | None = None, mode: str = "train") -> str:
-        """Register a session (a fresh id when none is given); reopening keeps its traces."""
+    def open_session(
+        self, session_id: str | None = None, mode: str = "train", max_calls: int | None = None
+    ) -> str:
+        """Register a session (a fresh id when none is given); reopening keeps its traces.
+
+        `max_calls` caps the model calls the session may make (`agent.max_steps`); None means no cap.
+        """
         sid = session_id or uuid.uuid4().hex
         if "/" in sid or not sid.strip():
             raise ValueError(f"session id must be a non-empty string without '/', got {sid!r}")
@@ -54,13 +62,33 @@ class TraceStore:
         with self._lock:
             self._modes[sid] = normalized
             self._traces.setdefault(sid, [])
+            self._max_calls[sid] = max_calls
+            self._calls.setdefault(sid, 0)
+            self._refused.setdefault(sid, 0)
         return sid
 
     def close_session(self, session_id: str) -> None:
         """Forget the session and its traces (no error if it is already gone)."""
         with self._lock:
-            self._modes.pop(session_id, None)
-            self._traces.pop(session_id, None)
+            for table in (self._modes, self._traces, self._max_calls, self._calls, self._refused):
+                table.pop(session_id, None)
+
+    def begin_call(self, session_id: str) -> bool:
+        """Count one model call of the session; False (and counted as refused) once over its cap."""
+        with self._lock:
+            if session_id not in self._modes:
+                raise UnknownSessionError(session_id)
+            cap = self._max_calls.get(session_id)
+            if cap is not None and self._calls[session_id] >= cap:
+                self._refused[session_id] += 1
+                return False
+            self._calls[session_id] += 1
+            return True
+
+    def refused_calls(self, session_id: str) -> int:
+        """Calls refused because the session reached its cap (0 for unknown sessions)."""
+        with self._lock:
+            return self._refused.get(session_id, 0)
 
     def has_session(self, session_id: str) -> bool:
         with self._lock:

@@ -35,7 +35,9 @@ class VLLMRollout:
         self.model_name = model_name
         self.weights_dir = Path(weights_dir)
         self.policy_version = 0
-        self._admin = RolloutPool(servers, model_name=model_name, engine="vllm", request_timeout=_ADMIN_TIMEOUT)
+        self._admin = RolloutPool(
+            servers, model_name=model_name, engine="vllm", request_timeout=_ADMIN_TIMEOUT
+        )
 
     @property
     def urls(self) -> list[str]:

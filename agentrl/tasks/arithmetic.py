@@ -27,13 +27,16 @@ def make_problem(rng: random.Random, max_operand: int) -> tuple[str, int]:
     return f"{a} - {b}", a - b
 
 
-def make_rows(num_train: int, num_test: int, *, seed: int = 0, max_operand: int = 30
-              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def make_rows(
+    num_train: int, num_test: int, *, seed: int = 0, max_operand: int = 30
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Train and held-out rows; no held-out expression appears in the training rows."""
     distinct = (max_operand + 1) ** 2 + (max_operand + 1) * (max_operand + 2) // 2
     if num_train + num_test > distinct:
-        raise ValueError(f"only {distinct} distinct problems with max_operand={max_operand}; "
-                         f"asked for {num_train} + {num_test}")
+        raise ValueError(
+            f"only {distinct} distinct problems with max_operand={max_operand}; "
+            f"asked for {num_train} + {num_test}"
+        )
     rng = random.Random(seed)
     seen: set[str] = set()
     problems: list[tuple[str, int]] = []
@@ -47,15 +50,21 @@ def make_rows(num_train: int, num_test: int, *, seed: int = 0, max_operand: int 
 
 
 def _row(index: int, expression: str, answer: int) -> dict[str, Any]:
-    return {"data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": f"What is {expression}? {INSTRUCTION}"}],
-            "reward_model": {"style": "rule", "ground_truth": str(answer)},
-            "extra_info": {"index": index, "response": str(answer), "expression": expression}}
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": f"What is {expression}? {INSTRUCTION}"}],
+        "reward_model": {"style": "rule", "ground_truth": str(answer)},
+        "extra_info": {"index": index, "response": str(answer), "expression": expression},
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", required=True, help="folder for arithmetic_train.jsonl / arithmetic_test.jsonl")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--output", required=True, help="folder for arithmetic_train.jsonl / arithmetic_test.jsonl"
+    )
     parser.add_argument("--num-train", type=int, default=1200)
     parser.add_argument("--num-test", type=int, default=200)
     parser.add_argument("--max-operand", type=int, default=30)

@@ -47,16 +47,21 @@ def test_to_eval_output_wrong_type_names_it(bad):
 
 
 def _episode(answer="4") -> Episode:
-    return Episode(id="t:0", task_id="t", answer=answer,
-                   trajectories=[Trajectory(name="agent"), Trajectory(name="critic", reward=-0.25)])
+    return Episode(
+        id="t:0",
+        task_id="t",
+        answer=answer,
+        trajectories=[Trajectory(name="agent"), Trajectory(name="critic", reward=-0.25)],
+    )
 
 
 def test_score_episode_fills_reward_and_keeps_trajectory_rewards_the_flow_set():
-    episode = score_episode(evaluator(lambda task, ep: EvalOutput(reward=1.0, metrics={"len": 3.0})),
-                            Task(id="t"), _episode())
+    episode = score_episode(
+        evaluator(lambda task, ep: EvalOutput(reward=1.0, metrics={"len": 3.0})), Task(id="t"), _episode()
+    )
     assert (episode.reward, episode.is_correct) == (1.0, True)
     assert [t.reward for t in episode.trajectories] == [1.0, -0.25]
-    assert episode.metrics["len"] == 3.0
+    assert episode.metrics["eval/len"] == 3.0
     assert "evaluator_error" not in episode.metrics
 
 
@@ -86,38 +91,52 @@ def test_evaluator_decorator_refuses_async_functions():
         evaluator(grade)
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("so 3 + 4 = 7\n#### 7", "7"),
-    ("#### 1\nwait, #### 2 ", "2"),
-    ("the answer is \\boxed{42}.", "42"),
-    ("\\boxed{1} then \\boxed{-3}", "-3"),
-    ("I have 3 apples and 12 pears", "12"),
-    ("it costs $1,234.50 in total", "1,234.50"),
-    ("no digits here", None),
-    ("", None),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so 3 + 4 = 7\n#### 7", "7"),
+        ("#### 1\nwait, #### 2 ", "2"),
+        ("the answer is \\boxed{42}.", "42"),
+        ("\\boxed{1} then \\boxed{-3}", "-3"),
+        ("I have 3 apples and 12 pears", "12"),
+        ("it costs $1,234.50 in total", "1,234.50"),
+        ("no digits here", None),
+        ("", None),
+        (None, None),
+    ],
+)
 def test_extract_final_answer(text, expected):
     assert extract_final_answer(text) == expected
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("1,234.50", "1234.5"), ("$12", "12"), ("7.", "7"), ("-3.0", "-3"), (" Seven ", "seven"), (None, None),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1,234.50", "1234.5"),
+        ("$12", "12"),
+        ("7.", "7"),
+        ("-3.0", "-3"),
+        (" Seven ", "seven"),
+        (None, None),
+    ],
+)
 def test_normalize_number(text, expected):
     assert normalize_number(text) == expected
 
 
-@pytest.mark.parametrize(("answer", "truth", "strict", "correct", "has_answer"), [
-    ("#### 72", "72", True, True, 1.0),
-    ("so 72", "72", True, False, 0.0),  # strict: only an answer after #### counts
-    ("so 72", "72", False, True, 1.0),
-    ("\\boxed{1,000}", "1000", False, True, 1.0),
-    ("#### 72.0", 72, False, True, 1.0),
-    ("#### 71", "72", False, False, 1.0),
-    ("", "72", False, False, 0.0),
-    (None, "72", False, False, 0.0),
-])
+@pytest.mark.parametrize(
+    ("answer", "truth", "strict", "correct", "has_answer"),
+    [
+        ("#### 72", "72", True, True, 1.0),
+        ("so 72", "72", True, False, 0.0),  # strict: only an answer after #### counts
+        ("so 72", "72", False, True, 1.0),
+        ("\\boxed{1,000}", "1000", False, True, 1.0),
+        ("#### 72.0", 72, False, True, 1.0),
+        ("#### 71", "72", False, False, 1.0),
+        ("", "72", False, False, 0.0),
+        (None, "72", False, False, 0.0),
+    ],
+)
 def test_math_answer_match(answer, truth, strict, correct, has_answer):
     task = Task(id="t", data={"reward_model": {"ground_truth": truth}})
     out = MathAnswerMatch(strict=strict).evaluate(task, Episode(answer=answer))

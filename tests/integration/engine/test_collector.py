@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import openai
 import pytest
 import torch
 
@@ -29,8 +30,13 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 
 @pytest.fixture(scope="module")
 def stack():
-    config = load_config(["actor_rollout_ref.model.path=tiny:qwen2-mini",
-                          f"data.max_response_length={MAX_RESPONSE}", "agent.timeout=30"])
+    config = load_config(
+        [
+            "actor_rollout_ref.model.path=tiny:qwen2-mini",
+            f"data.max_response_length={MAX_RESPONSE}",
+            "agent.timeout=30",
+        ]
+    )
     path = resolve_model_path(config.actor_rollout_ref.model.path)
     tokenizer = load_tokenizer(path)
     rollout = start_embedded_rollout(path, tokenizer, config, device="cpu")
@@ -136,11 +142,28 @@ def _calls(count: int) -> AgentFlow:
 
 
 def test_more_model_calls_than_max_steps_is_max_turns_exceeded(stack):
-    [over] = collect(stack, _calls(3), [Task(id="t")], max_steps=2)
+    [over] = collect(stack, _calls(50), [Task(id="t")], max_steps=2)
     [within] = collect(stack, _calls(2), [Task(id="t")], max_steps=2)
+    # The gateway refuses the third call, so a looping agent stops at once instead of running to the timeout.
     assert over.termination_reason == TerminationReason.MAX_TURNS_EXCEEDED
-    assert over.metrics["num_model_calls"] == 3.0
+    assert over.metrics["num_model_calls"] == 2.0
+    assert over.error is None and len(over.trajectories[0].steps) == 2
     assert within.termination_reason != TerminationReason.MAX_TURNS_EXCEEDED
+
+
+def test_a_flow_that_swallows_the_refusal_is_still_max_turns_exceeded(stack):
+    @agent_flow
+    async def swallows(task, ctx):
+        for _ in range(5):
+            try:
+                await _chat_once.run(task, ctx)
+            except openai.BadRequestError:
+                return "gave up"
+        return "never"
+
+    [episode] = collect(stack, swallows, [Task(id="t")], max_steps=1)
+    assert episode.termination_reason == TerminationReason.MAX_TURNS_EXCEEDED
+    assert episode.answer == "gave up"
 
 
 def test_a_completion_cut_by_max_tokens_is_max_response_length_exceeded(stack):
@@ -168,8 +191,12 @@ def test_a_step_claiming_text_the_model_never_produced_is_counted_and_excluded(s
     async def claims(task, ctx):
         real = await _chat_once.run(task, ctx)
         await _chat_once.run(task, ctx)  # a second call whose text the flow misreports
-        return Trajectory(steps=[Step(model_response=real, reward=0.5),
-                                 Step(model_response="I never said this", reward=0.5)])
+        return Trajectory(
+            steps=[
+                Step(model_response=real, reward=0.5),
+                Step(model_response="I never said this", reward=0.5),
+            ]
+        )
 
     [episode] = collect(stack, claims, [Task(id="t")])
     assert episode.termination_reason != TerminationReason.ERROR
@@ -188,10 +215,14 @@ def test_steps_carry_the_gateway_token_ids_and_logprobs(stack):
     @agent_flow
     async def records(task, ctx):
         reply = await ctx.client.chat.completions.create(
-            model=ctx.model, messages=MESSAGES, logprobs=True, extra_body={"return_token_ids": True})
+            model=ctx.model, messages=MESSAGES, logprobs=True, extra_body={"return_token_ids": True}
+        )
         choice = reply.choices[0]
-        seen[task.id] = {"prompt": reply.prompt_token_ids, "completion": choice.token_ids,
-                         "logprobs": [c.logprob for c in choice.logprobs.content]}
+        seen[task.id] = {
+            "prompt": reply.prompt_token_ids,
+            "completion": choice.token_ids,
+            "logprobs": [c.logprob for c in choice.logprobs.content],
+        }
         return choice.message.content
 
     episodes = collect(stack, records, [Task(id="a"), Task(id="b")])
@@ -202,8 +233,9 @@ def test_steps_carry_the_gateway_token_ids_and_logprobs(stack):
         assert step.response_ids == answer["completion"] and len(step.response_ids) > 0
         assert step.logprobs == answer["logprobs"]
         assert step.model_response == episode.answer
-        assert step.prompt_ids == stack.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
-                                                                      tokenize=True, return_dict=False)
+        assert step.prompt_ids == stack.tokenizer.apply_chat_template(
+            MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
 
     # The rollout logprobs are the policy's own (temperature 1): a teacher-forced pass agrees.
     rows, _ = episodes_to_rows(episodes)
@@ -220,13 +252,15 @@ def test_a_two_turn_token_flow_merges_into_one_row_with_mask_on_model_tokens(sta
     @agent_flow
     async def two_turns(task, ctx):
         prompt = stack.tokenizer.encode("Q: 2 + 3 =")
-        first = await ctx.client.completions.create(model=ctx.model, prompt=prompt,
-                                                    extra_body={"return_token_ids": True})
+        first = await ctx.client.completions.create(
+            model=ctx.model, prompt=prompt, extra_body={"return_token_ids": True}
+        )
         # The second call's prompt is the first prompt, the first reply's exact tokens and an observation.
         prompt = prompt + first.choices[0].token_ids + observation
         second = await ctx.client.completions.create(model=ctx.model, prompt=prompt)
-        return Trajectory(steps=[Step(model_response=first.choices[0].text),
-                                 Step(model_response=second.choices[0].text)])
+        return Trajectory(
+            steps=[Step(model_response=first.choices[0].text), Step(model_response=second.choices[0].text)]
+        )
 
     [episode] = collect(stack, two_turns, [Task(id="t")])
     first, second = episode.trajectories[0].steps
@@ -236,10 +270,15 @@ def test_a_two_turn_token_flow_merges_into_one_row_with_mask_on_model_tokens(sta
     assert len(rows) == 1 and stats.merged_steps == 1
     [row] = rows
     assert row.input_ids == second.prompt_ids + second.response_ids
-    assert row.loss_mask == ([0] * len(first.prompt_ids) + [1] * len(first.response_ids)
-                             + [0] * len(observation) + [1] * len(second.response_ids))
-    assert row.rollout_logprobs == ([0.0] * len(first.prompt_ids) + first.logprobs
-                                    + [0.0] * len(observation) + second.logprobs)
+    assert row.loss_mask == (
+        [0] * len(first.prompt_ids)
+        + [1] * len(first.response_ids)
+        + [0] * len(observation)
+        + [1] * len(second.response_ids)
+    )
+    assert row.rollout_logprobs == (
+        [0.0] * len(first.prompt_ids) + first.logprobs + [0.0] * len(observation) + second.logprobs
+    )
 
 
 def test_a_two_turn_chat_merges_when_the_history_re_renders_to_the_same_tokens(stack):
@@ -251,8 +290,10 @@ def test_a_two_turn_chat_merges_when_the_history_re_renders_to_the_same_tokens(s
         seed = int(task.id.split("-")[1])
         messages = list(MESSAGES)
         first = await ctx.client.chat.completions.create(model=ctx.model, messages=messages, seed=seed)
-        messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                     {"role": "user", "content": "Are you sure?"}]
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Are you sure?"},
+        ]
         second = await ctx.client.chat.completions.create(model=ctx.model, messages=messages, seed=seed)
         return second.choices[0].message.content
 
@@ -270,8 +311,12 @@ def test_a_two_turn_chat_merges_when_the_history_re_renders_to_the_same_tokens(s
         [row] = rows
         observation = len(second.prompt_ids) - len(context)
         assert row.input_ids == second.prompt_ids + second.response_ids
-        assert row.loss_mask == ([0] * len(first.prompt_ids) + [1] * len(first.response_ids)
-                                 + [0] * observation + [1] * len(second.response_ids))
+        assert row.loss_mask == (
+            [0] * len(first.prompt_ids)
+            + [1] * len(first.response_ids)
+            + [0] * observation
+            + [1] * len(second.response_ids)
+        )
         assert stats.merged_steps == 1
     assert merged >= 1, "no seeded two-turn chat extended its first turn"
 
@@ -284,7 +329,8 @@ def test_a_retryable_failure_is_tried_again_up_to_retry_limit(stack):
         attempts.append(ctx.session_id)
         if len(attempts) == 1:  # the first attempt loses its connection to the server
             await ctx.client.with_options(base_url="http://127.0.0.1:9/v1").chat.completions.create(
-                model=ctx.model, messages=MESSAGES)
+                model=ctx.model, messages=MESSAGES
+            )
         return await _chat_once.run(task, ctx)
 
     [episode] = collect(stack, flaky_connection, [Task(id="t")], retry_limit=2)

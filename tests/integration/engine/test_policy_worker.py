@@ -15,9 +15,13 @@ from agentrl.rollout.engines.embedded import fingerprint_state_dict
 
 pytestmark = pytest.mark.slow
 
-BASE = ["actor_rollout_ref.model.path=tiny:qwen2-mini", "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.actor.optim.lr=1e-2"]
+BASE = [
+    "actor_rollout_ref.model.path=tiny:qwen2-mini",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.actor.optim.lr=1e-2",
+]
 
 
 def _start(overrides: list[str]) -> PolicyWorker:
@@ -47,8 +51,16 @@ def _batch(pad_token_id: int):
     rows = []
     for i, response_len in enumerate([3, 5, 4, 3]):
         ids = torch.randint(10, 1000, (4 + response_len,), generator=generator).tolist()
-        rows.append(TrainingRow(ids, [0] * 4 + [1] * response_len, [0.0] * len(ids), float(i % 2),
-                                group_key=str(i // 2), trajectory_key=str(i)))
+        rows.append(
+            TrainingRow(
+                ids,
+                [0] * 4 + [1] * response_len,
+                [0.0] * len(ids),
+                float(i % 2),
+                group_key=str(i // 2),
+                trajectory_key=str(i),
+            )
+        )
     batch = rows_to_batch(rows, pad_token_id=pad_token_id)
     batch["advantages"] = torch.where(batch.response_mask, torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None], 0.0)
     return batch

@@ -25,10 +25,15 @@ REPO = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 LOGPROB_BOUND = 1e-3  # float32 vLLM vs float32 transformers; see agentrl/engine/weight_sync.py
 
-ROWS = [{"data_source": "arithmetic", "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with the "
-                                                  "number only."}],
-         "reward_model": {"style": "rule", "ground_truth": str(a + b)}, "extra_info": {"index": i}}
-        for i, (a, b) in enumerate([(1, 2), (3, 4), (5, 6), (7, 8)])]
+ROWS = [
+    {
+        "data_source": "arithmetic",
+        "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}],
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "extra_info": {"index": i},
+    }
+    for i, (a, b) in enumerate([(1, 2), (3, 4), (5, 6), (7, 8)])
+]
 
 
 @evaluator
@@ -57,21 +62,33 @@ def test_grpo_generates_with_vllm_serving_the_trained_weights(tmp_path, monkeypa
     marker = f"AGENTRL_VLLM_TRAINING_TEST={uuid.uuid4().hex}"
     monkeypatch.setenv(*marker.split("=", 1))  # the launcher passes our environment on to vLLM
     overrides = [
-        "actor_rollout_ref.model.path=tiny:qwen2", "actor_rollout_ref.rollout.name=vllm",
-        f"actor_rollout_ref.rollout.vllm.python={VLLM_PYTHON}", "actor_rollout_ref.rollout.vllm.dtype=float32",
-        "actor_rollout_ref.rollout.vllm.startup_timeout=240", "actor_rollout_ref.rollout.max_num_seqs=8",
-        "actor_rollout_ref.rollout.n=4", "data.train_batch_size=4", "data.max_response_length=8",
-        "data.shuffle=false", "actor_rollout_ref.actor.optim.lr=1e-3",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.logger=[console]",
+        "actor_rollout_ref.model.path=tiny:qwen2",
+        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.rollout.vllm.python={VLLM_PYTHON}",
+        "actor_rollout_ref.rollout.vllm.dtype=float32",
+        "actor_rollout_ref.rollout.vllm.startup_timeout=240",
+        "actor_rollout_ref.rollout.max_num_seqs=8",
+        "actor_rollout_ref.rollout.n=4",
+        "data.train_batch_size=4",
+        "data.max_response_length=8",
+        "data.shuffle=false",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "trainer.total_training_steps=2",
+        "trainer.val_before_train=false",
+        "trainer.logger=[console]",
         f"trainer.default_local_dir={tmp_path}",
     ]
 
-    result = AgentTrainer(flow=SingleTurnChatFlow(), evaluator=answer_length, train_dataset=ROWS,
-                          config=overrides).train()
+    result = AgentTrainer(
+        flow=SingleTurnChatFlow(), evaluator=answer_length, train_dataset=ROWS, config=overrides
+    ).train()
 
     assert result.global_step == 2
-    history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    history = [
+        json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
     steps = [r for r in history if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2]
     for record in steps:

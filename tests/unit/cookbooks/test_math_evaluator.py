@@ -95,4 +95,4 @@ def test_missing_ground_truth_becomes_an_evaluator_error():
 def test_score_episode_takes_reward_and_metrics():
     episode = score_episode(GSM8KEvaluator(), _task("72"), Episode(answer="#### 72"))
     assert episode.reward == 1.0 and episode.is_correct
-    assert episode.metrics["has_answer"] == 1.0
+    assert episode.metrics["eval/has_answer"] == 1.0

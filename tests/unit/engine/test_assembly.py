@@ -17,8 +17,12 @@ def _step(prompt, response, logprobs=None, reward=0.0, **info) -> Step:
 
 
 def _episode(steps, *, task_id="t0", reward=1.0, index=0, name="agent", traj_reward=None) -> Episode:
-    return Episode(id=f"{task_id}:{index}", task_id=task_id, reward=reward,
-                   trajectories=[Trajectory(name=name, steps=steps, reward=traj_reward)])
+    return Episode(
+        id=f"{task_id}:{index}",
+        task_id=task_id,
+        reward=reward,
+        trajectories=[Trajectory(name=name, steps=steps, reward=traj_reward)],
+    )
 
 
 def test_extending_steps_merge_into_one_row_with_mask_on_model_tokens():
@@ -81,8 +85,9 @@ def test_excluded_and_logprob_mismatched_steps_are_skipped_and_counted():
 
 
 def test_rows_longer_than_max_length_are_truncated_and_counted():
-    rows, stats = episodes_to_rows([_episode([_step([1, 2, 3], [4, 5, 6], [-1.0, -2.0, -3.0])])],
-                                   max_length=4)
+    rows, stats = episodes_to_rows(
+        [_episode([_step([1, 2, 3], [4, 5, 6], [-1.0, -2.0, -3.0])])], max_length=4
+    )
     assert rows[0].input_ids == [1, 2, 3, 4]
     assert rows[0].loss_mask == [0, 0, 0, 1]
     assert rows[0].rollout_logprobs == [0.0, 0.0, 0.0, -1.0]
@@ -90,20 +95,26 @@ def test_rows_longer_than_max_length_are_truncated_and_counted():
 
 
 def test_rows_to_batch_pads_puts_reward_on_last_response_token_and_densifies_ids():
-    rows, _ = episodes_to_rows([
-        _episode([_step([5, 6], [7, 8], [-0.1, -0.2])], task_id="b", reward=1.0, index=0),
-        _episode([_step([5], [9, 9, 9], [-0.3, -0.4, -0.5])], task_id="a", reward=0.5, index=0),
-        _episode([_step([5, 6, 7], [4], [-0.6])], task_id="b", reward=0.0, index=1),
-    ])
+    rows, _ = episodes_to_rows(
+        [
+            _episode([_step([5, 6], [7, 8], [-0.1, -0.2])], task_id="b", reward=1.0, index=0),
+            _episode([_step([5], [9, 9, 9], [-0.3, -0.4, -0.5])], task_id="a", reward=0.5, index=0),
+            _episode([_step([5, 6, 7], [4], [-0.6])], task_id="b", reward=0.0, index=1),
+        ]
+    )
     batch = rows_to_batch(rows, pad_token_id=PAD)
 
     assert batch.input_ids.tolist() == [[5, 6, 7, 8], [5, 9, 9, 9], [5, 6, 7, 4]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1]] * 3
     assert batch.response_mask.dtype == torch.bool
-    assert batch.response_mask.tolist() == [[False, False, True, True], [False, True, True, True],
-                                            [False, False, False, True]]
-    assert torch.allclose(batch.rollout_log_probs, torch.tensor(
-        [[0, 0, -0.1, -0.2], [0, -0.3, -0.4, -0.5], [0, 0, 0, -0.6]]))
+    assert batch.response_mask.tolist() == [
+        [False, False, True, True],
+        [False, True, True, True],
+        [False, False, False, True],
+    ]
+    assert torch.allclose(
+        batch.rollout_log_probs, torch.tensor([[0, 0, -0.1, -0.2], [0, -0.3, -0.4, -0.5], [0, 0, 0, -0.6]])
+    )
     assert batch.token_rewards.tolist() == [[0, 0, 0, 1.0], [0, 0, 0, 0.5], [0, 0, 0, 0]]
     assert batch.rewards.tolist() == [1.0, 0.5, 0.0]
     # Dense ids in order of first appearance: task b -> 0, task a -> 1.
@@ -112,8 +123,10 @@ def test_rows_to_batch_pads_puts_reward_on_last_response_token_and_densifies_ids
 
 
 def test_rows_to_batch_right_pads_shorter_rows():
-    rows = [TrainingRow([1, 2, 3, 4, 5], [0, 0, 1, 1, 0], [0, 0, -1, -1, 0], 2.0, "g", "t"),
-            TrainingRow([1, 2], [0, 1], [0, -1], 3.0, "g", "u")]
+    rows = [
+        TrainingRow([1, 2, 3, 4, 5], [0, 0, 1, 1, 0], [0, 0, -1, -1, 0], 2.0, "g", "t"),
+        TrainingRow([1, 2], [0, 1], [0, -1], 3.0, "g", "u"),
+    ]
     batch = rows_to_batch(rows, pad_token_id=PAD)
     assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5], [1, 2, PAD, PAD, PAD]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]

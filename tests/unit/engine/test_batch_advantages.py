@@ -15,8 +15,14 @@ A = 1 / math.sqrt(2)  # (1 - 0.5) / std([1, 0]) with the unbiased std sqrt(0.5)
 
 def _row(reward: float, group: str, traj: str, prompt_len: int = 2, response_len: int = 2) -> TrainingRow:
     n = prompt_len + response_len
-    return TrainingRow(input_ids=list(range(1, n + 1)), loss_mask=[0] * prompt_len + [1] * response_len,
-                       rollout_logprobs=[0.0] * n, reward=reward, group_key=group, trajectory_key=traj)
+    return TrainingRow(
+        input_ids=list(range(1, n + 1)),
+        loss_mask=[0] * prompt_len + [1] * response_len,
+        rollout_logprobs=[0.0] * n,
+        reward=reward,
+        group_key=group,
+        trajectory_key=traj,
+    )
 
 
 def _advantages(rows, **kwargs):
@@ -26,15 +32,21 @@ def _advantages(rows, **kwargs):
 
 
 def test_grpo_token_level_by_hand():
-    rows = [_row(1.0, "t0", "a"), _row(0.0, "t0", "b", response_len=3),
-            _row(1.0, "t1", "c"), _row(1.0, "t1", "d")]
+    rows = [
+        _row(1.0, "t0", "a"),
+        _row(0.0, "t0", "b", response_len=3),
+        _row(1.0, "t1", "c"),
+        _row(1.0, "t1", "d"),
+    ]
     batch, result = _advantages(rows)
-    expected = torch.tensor([
-        [0, 0, A, A, 0],
-        [0, 0, -A, -A, -A],
-        [0, 0, 0, 0, 0],  # a group whose scores are equal has no signal
-        [0, 0, 0, 0, 0],
-    ])
+    expected = torch.tensor(
+        [
+            [0, 0, A, A, 0],
+            [0, 0, -A, -A, -A],
+            [0, 0, 0, 0, 0],  # a group whose scores are equal has no signal
+            [0, 0, 0, 0, 0],
+        ]
+    )
     assert torch.allclose(result.advantages, expected, atol=1e-5)
     assert (result.advantages[~batch.response_mask] == 0).all()
 

@@ -26,7 +26,9 @@ def test_warmup_then_cosine_values():
     optim = OptimConfig(lr=1.0, lr_warmup_steps=2, lr_scheduler_type="cosine", min_lr_ratio=0.1)
     lrs = _lrs(optim, total_steps=10, steps=11)
     # warm-up: (step + 1) / (warmup + 1); then 0.1 + 0.9 * (1 + cos(pi * (step - 2) / 8)) / 2.
-    expected = [1 / 3, 2 / 3] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 2) / 8)) for s in range(2, 11)]
+    expected = [1 / 3, 2 / 3] + [
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 2) / 8)) for s in range(2, 11)
+    ]
     assert lrs == pytest.approx(expected)
     assert lrs[2] == pytest.approx(1.0)
     assert lrs[6] == pytest.approx(0.55)

@@ -11,8 +11,17 @@ LENGTHS = [3, 10, 2, 8, 6]
 
 
 def _batch(lengths=LENGTHS):
-    rows = [TrainingRow(input_ids=[7] * n, loss_mask=[0] + [1] * (n - 1), rollout_logprobs=[0.0] * n,
-                        reward=float(i), group_key="g", trajectory_key=str(i)) for i, n in enumerate(lengths)]
+    rows = [
+        TrainingRow(
+            input_ids=[7] * n,
+            loss_mask=[0] + [1] * (n - 1),
+            rollout_logprobs=[0.0] * n,
+            reward=float(i),
+            group_key="g",
+            trajectory_key=str(i),
+        )
+        for i, n in enumerate(lengths)
+    ]
     batch = rows_to_batch(rows, pad_token_id=0)
     batch["advantages"] = torch.arange(len(rows), dtype=torch.float32)[:, None].expand_as(batch.token_rewards)
     return batch
@@ -20,8 +29,9 @@ def _batch(lengths=LENGTHS):
 
 def test_dynamic_batches_respect_the_token_budget():
     batch = _batch()
-    micros = split_micro_batches(batch, torch.arange(5), micro_batch_size=2, use_dynamic_bsz=True,
-                                 max_token_len=16)
+    micros = split_micro_batches(
+        batch, torch.arange(5), micro_batch_size=2, use_dynamic_bsz=True, max_token_len=16
+    )
     # Longest first, greedily: [10] (10+8 would be 2*10), [8, 6] (2*8 = 16), [3, 2].
     assert [m.attention_mask.sum(dim=1).tolist() for m in micros] == [[10], [8, 6], [3, 2]]
     for micro in micros:
@@ -30,16 +40,18 @@ def test_dynamic_batches_respect_the_token_budget():
 
 
 def test_a_row_over_the_budget_goes_alone():
-    micros = split_micro_batches(_batch(), torch.arange(5), micro_batch_size=2, use_dynamic_bsz=True,
-                                 max_token_len=5)
+    micros = split_micro_batches(
+        _batch(), torch.arange(5), micro_batch_size=2, use_dynamic_bsz=True, max_token_len=5
+    )
     assert [m.input_ids.shape for m in micros] == [(1, 10), (1, 8), (1, 6), (1, 3), (1, 2)]
 
 
 def test_fixed_micro_batches_are_trimmed_to_their_longest_row():
     batch = _batch()
     assert batch.input_ids.shape == (5, 10)
-    micros = split_micro_batches(batch, torch.tensor([0, 2, 3, 4]), micro_batch_size=2, use_dynamic_bsz=False,
-                                 max_token_len=0)
+    micros = split_micro_batches(
+        batch, torch.tensor([0, 2, 3, 4]), micro_batch_size=2, use_dynamic_bsz=False, max_token_len=0
+    )
     assert [m.input_ids.shape for m in micros] == [(2, 3), (2, 8)]
     # Extra tensors are cut with the rows and to the same length.
     assert micros[0]["advantages"].shape == (2, 3)

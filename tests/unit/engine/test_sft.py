@@ -32,7 +32,10 @@ def rows() -> list[dict]:
 
 
 def test_reference_response_prefers_extra_info_response():
-    assert reference_response({"extra_info": {"response": "x = 4"}, "reward_model": {"ground_truth": "4"}}) == "x = 4"
+    assert (
+        reference_response({"extra_info": {"response": "x = 4"}, "reward_model": {"ground_truth": "4"}})
+        == "x = 4"
+    )
     assert reference_response({"extra_info": {}, "reward_model": {"ground_truth": 7}}) == "7"
 
 
@@ -53,15 +56,23 @@ def test_build_sft_examples_masks_only_the_response_tokens(tokenizer, rows):
 def _mean_loss(model, tokenizer, rows) -> float:
     input_ids, labels, attention = _pad(build_sft_examples(tokenizer, rows), tokenizer.pad_token_id)
     with torch.no_grad():
-        return model(input_ids=input_ids, attention_mask=attention, labels=labels, use_cache=False).loss.item()
+        return model(
+            input_ids=input_ids, attention_mask=attention, labels=labels, use_cache=False
+        ).loss.item()
 
 
 def test_a_few_sft_steps_lower_the_loss(model_path, tokenizer, rows):
     torch.manual_seed(0)
     model = load_causal_lm(model_path)
     before = _mean_loss(model, tokenizer, rows)
-    metrics = run_sft(model, tokenizer, rows, SFTConfig(lr=3e-3, batch_size=4, epochs=10, max_steps=12),
-                      seed=1, pad_token_id=tokenizer.pad_token_id)
+    metrics = run_sft(
+        model,
+        tokenizer,
+        rows,
+        SFTConfig(lr=3e-3, batch_size=4, epochs=10, max_steps=12),
+        seed=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     after = _mean_loss(model, tokenizer, rows)
 
     assert metrics["sft/steps"] == 12  # max_steps stops before the 20 steps of 10 epochs

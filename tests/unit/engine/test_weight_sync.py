@@ -54,7 +54,9 @@ def test_check_probe_returns_the_worst_gap_and_names_the_server_that_is_off(mode
     prompt = [2, 0]
     good = ProbeResult("http://a", [1, 2], [math.log(3 / 5) + 2e-4, math.log(1 / 3)])
     assert check_probe(model, prompt, [good], tolerance=1e-3) == pytest.approx(2e-4, abs=1e-6)
-    stale = ProbeResult("http://b", [1, 2], [math.log(1 / 3), math.log(1 / 3)])  # as if the table were uniform
+    stale = ProbeResult(
+        "http://b", [1, 2], [math.log(1 / 3), math.log(1 / 3)]
+    )  # as if the table were uniform
     # gap |ln(1/3) - ln(3/5)| = ln(9/5) = 0.5878
     with pytest.raises(RuntimeError, match=r"server http://b log-probs differ from the trainer's by 0\.588"):
         check_probe(model, prompt, [good, stale], tolerance=1e-3)

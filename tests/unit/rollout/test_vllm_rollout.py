@@ -16,8 +16,18 @@ def test_remove_old_weight_folders_keeps_only_the_latest_and_foreign_files(tmp_p
 
 
 def test_vllm_extra_args_add_tokenizer_and_remote_code_after_the_users_args(tmp_path):
-    config = load_config(['actor_rollout_ref.rollout.vllm.extra_args=[--seed,"3"]',  # quoted: Hydra reads 3 as an int
-                          f"actor_rollout_ref.model.tokenizer_path={tmp_path}",
-                          "actor_rollout_ref.model.trust_remote_code=true"])
-    assert build_vllm_extra_args(config) == ["--seed", "3", "--tokenizer", str(tmp_path), "--trust-remote-code"]
+    config = load_config(
+        [
+            'actor_rollout_ref.rollout.vllm.extra_args=[--seed,"3"]',  # quoted: Hydra reads 3 as an int
+            f"actor_rollout_ref.model.tokenizer_path={tmp_path}",
+            "actor_rollout_ref.model.trust_remote_code=true",
+        ]
+    )
+    assert build_vllm_extra_args(config) == [
+        "--seed",
+        "3",
+        "--tokenizer",
+        str(tmp_path),
+        "--trust-remote-code",
+    ]
     assert build_vllm_extra_args(load_config([])) == []
