@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -61,12 +60,15 @@ class RolloutCollector:
         self.backend = backend
         self.model_name = model_name
         self.limits = limits
+        self._rounds = 0
 
     async def collect(
         self, flow: AgentFlow, tasks: Sequence[Task], n: int, mode: str = "train", on_episode=None
     ) -> list[Episode]:
         """`n` rollouts of every task, at most `agent.n_parallel_tasks` at a time; never raises."""
         gate = asyncio.Semaphore(self.limits.n_parallel_tasks)
+        round_id = self._rounds
+        self._rounds += 1
         # One HTTP client for every rollout: building an OpenAI client with its own costs ~15 ms each.
         limits = httpx.Limits(
             max_connections=self.limits.n_parallel_tasks * 2,
@@ -76,7 +78,7 @@ class RolloutCollector:
 
             async def one(task: Task, sample: int) -> Episode:
                 async with gate:
-                    episode = await self._rollout(flow, task, sample, mode, http)
+                    episode = await self._rollout(flow, task, sample, mode, http, round_id)
                 if on_episode is not None:
                     on_episode(episode)
                 return episode
@@ -84,11 +86,12 @@ class RolloutCollector:
             return list(await asyncio.gather(*(one(task, i) for task in tasks for i in range(n))))
 
     async def _rollout(
-        self, flow: AgentFlow, task: Task, sample: int, mode: str, http: httpx.AsyncClient
+        self, flow: AgentFlow, task: Task, sample: int, mode: str, http: httpx.AsyncClient, round_id: int
     ) -> Episode:
         episode = Episode()
         for attempt in range(self.limits.retry_limit):
-            session_id = f"{task.id}.{sample}.{uuid.uuid4().hex[:8]}"
+            # Deterministic ids: the gateway derives each call's sampling seed from them (repeatable runs).
+            session_id = f"{mode}{round_id}-{task.id}.{sample}.a{attempt}"
             episode = await self._attempt(flow, task, session_id, mode, http)
             retryable = episode.metrics.pop("_retryable", 0.0)
             if not retryable or attempt == self.limits.retry_limit - 1:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -210,6 +211,8 @@ def build_gateway_app(
                 code=TURN_LIMIT_CODE,
             )
         upstream = build_upstream_body(raw, req, sampling[mode], pool.served_model, chat=chat)
+        if req.seed is None and sampling[mode].seed is not None:
+            upstream["seed"] = derive_call_seed(sampling[mode].seed, sid, trace_store.call_count(sid))
         started = time.perf_counter()
         resp = await pool.forward(sid, "/v1/chat/completions" if chat else "/v1/completions", upstream)
         latency = time.perf_counter() - started
@@ -237,6 +240,14 @@ def build_gateway_app(
     return app
 
 
+def derive_call_seed(seed: int, session_id: str, call_index: int) -> int:
+    """A per-call sampling seed: reproducible for the same (seed, session, call), distinct across them.
+
+    One fixed seed for every call would give the n rollouts of a task identical samples.
+    """
+    return zlib.crc32(f"{seed}:{session_id}:{call_index}".encode()) & 0x7FFFFFFF
+
+
 def build_upstream_body(
     raw: dict[str, Any], req: _Common, sampling: SamplingParams, served_model: str, *, chat: bool
 ) -> dict[str, Any]:
@@ -257,8 +268,6 @@ def build_upstream_body(
         stop_token_ids=list(dict.fromkeys(list(req.stop_token_ids or []) + sampling.stop_token_ids)),
         return_token_ids=True,
     )
-    if req.seed is None and sampling.seed is not None:
-        body["seed"] = sampling.seed
     if chat:
         body["logprobs"] = True
     else:

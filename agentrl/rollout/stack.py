@@ -22,7 +22,11 @@ def build_sampling_params(config: Any) -> tuple[SamplingParams, SamplingParams]:
     rollout = config.actor_rollout_ref.rollout
     max_tokens = config.data.max_response_length
     train = SamplingParams(
-        temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k, max_tokens=max_tokens
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_tokens=max_tokens,
+        seed=config.trainer.seed,
     )
     val = rollout.val_kwargs
     validation = SamplingParams(
@@ -30,6 +34,7 @@ def build_sampling_params(config: Any) -> tuple[SamplingParams, SamplingParams]:
         top_p=val.top_p,
         top_k=val.top_k,
         max_tokens=max_tokens,
+        seed=config.trainer.seed,
     )
     return train, validation
 

@@ -85,6 +85,11 @@ class TraceStore:
             self._calls[session_id] += 1
             return True
 
+    def call_count(self, session_id: str) -> int:
+        """Model calls the session has made so far (refused ones not counted)."""
+        with self._lock:
+            return self._calls.get(session_id, 0)
+
     def refused_calls(self, session_id: str) -> int:
         """Calls refused because the session reached its cap (0 for unknown sessions)."""
         with self._lock:

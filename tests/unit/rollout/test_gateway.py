@@ -19,6 +19,7 @@ from agentrl.rollout.gateway import (
     _CompletionBody,
     build_gateway_app,
     build_upstream_body,
+    derive_call_seed,
     extract_traces,
     stream_chat,
     strip_response,
@@ -49,7 +50,7 @@ def test_upstream_body_enforces_the_modes_sampling() -> None:
     assert body == {
         "messages": MSG, "model": "served", "n": 2, "stream": False, "temperature": 0.9, "top_p": 0.8,
         "top_k": 20, "max_tokens": 16, "stop": ["\n", "</answer>"], "stop_token_ids": [],
-        "return_token_ids": True, "seed": 7, "logprobs": True,
+        "return_token_ids": True, "logprobs": True,
     }  # fmt: skip
     raw = {"prompt": "x", "max_tokens": 3, "seed": 1, "logprobs": 2}
     body = build_upstream_body(raw, _CompletionBody.model_validate(raw), TRAIN, "served", chat=False)
@@ -61,6 +62,13 @@ def test_upstream_body_enforces_the_modes_sampling() -> None:
     raw = {"prompt": [1, 2]}
     body = build_upstream_body(raw, _CompletionBody.model_validate(raw), TRAIN, "served", chat=False)
     assert (body["max_tokens"], body["logprobs"]) == (16, 1)
+
+
+def test_call_seeds_are_reproducible_and_distinct_per_session_and_call() -> None:
+    assert derive_call_seed(7, "train0-t.0.a0", 1) == derive_call_seed(7, "train0-t.0.a0", 1)
+    seeds = {derive_call_seed(7, f"train0-t.{i}.a0", c) for i in range(8) for c in range(1, 4)}
+    assert len(seeds) == 24  # the n samples of a task must not share a seed
+    assert derive_call_seed(8, "train0-t.0.a0", 1) != derive_call_seed(7, "train0-t.0.a0", 1)
 
 
 def test_extract_traces_reads_vllm_fields_and_checks_lengths() -> None:
