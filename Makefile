@@ -27,7 +27,7 @@ $(VLLM_VENV)/.stamp-setup: scripts/setup_vllm.sh
 	@touch $@
 
 train: setup
-	$(VENV)/bin/agentrl train
+	$(VENV)/bin/agentrl train --config configs/arithmetic.yaml
 
 test: setup setup-vllm
 	$(VENV)/bin/pytest tests $(PYTEST_ARGS)

@@ -1,10 +1,11 @@
 """`agentrl train` and `agentrl sft`: the configured flow and evaluator, trained from the command line.
 
+    agentrl train --config configs/arithmetic.yaml          # the default run (what `make train` does)
     agentrl train trainer.total_training_steps=20 actor_rollout_ref.rollout.n=8
-    agentrl sft sft.epochs=2            # warm start only; writes {default_local_dir}/sft_model
+    agentrl sft sft.max_steps=200                             # warm start only; writes {default_local_dir}/sft_model
 
-The flow and evaluator come from `agent.flow` and `agent.evaluator` ("package.module:Name"); the defaults train
-the built-in arithmetic task with a warm start, which is what `make train` runs.
+`--config PATH` layers a YAML (which starts with `defaults: [agent_ppo_trainer, _self_]`) over the main config;
+overrides come last. The flow and evaluator come from `agent.flow` and `agent.evaluator` ("package.module:Name").
 """
 
 from __future__ import annotations
@@ -28,9 +29,26 @@ def import_object(spec: str, key: str) -> Any:
     return obj() if isinstance(obj, type) else obj
 
 
+def split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(`--config PATH` or None, the Hydra overrides)."""
+    config_path, overrides = None, []
+    args = iter(argv)
+    for arg in args:
+        if arg in ("--config", "-c"):
+            config_path = next(args, None)
+            if config_path is None:
+                raise ConfigError(["--config needs a path to a YAML file"])
+        elif arg.startswith("--config="):
+            config_path = arg.split("=", 1)[1]
+        else:
+            overrides.append(arg)
+    return config_path, overrides
+
+
 def _load(argv: list[str]):
     try:
-        config = load_config(argv)
+        config_path, overrides = split_config_arg(argv)
+        config = load_config(overrides, config_path=config_path)
         return (
             config,
             import_object(config.agent.flow, "agent.flow"),

@@ -1,7 +1,8 @@
-"""Arithmetic word-free problems ("What is 23 + 45?"): the task behind `make train`.
+"""Single-digit arithmetic ("What is 7 + 5?", "What is 9 - 4?"): the task behind `make train`.
 
 A tiny model on two CPU cores can learn it in minutes: after a short supervised warm start it answers some
-problems, and GRPO raises held-out accuracy from there. Rows are in the verl format, so the same pipeline
+problems, and GRPO raises held-out accuracy from there. The 155 distinct problems are split into 115 for
+training and 40 held out (no held-out expression is trained on). Rows are in the verl format, so the same pipeline
 that trains GSM8K trains this.
 
     python -m agentrl.tasks.arithmetic --output agentrl/data/samples
@@ -65,9 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--output", required=True, help="folder for arithmetic_train.jsonl / arithmetic_test.jsonl"
     )
-    parser.add_argument("--num-train", type=int, default=1200)
-    parser.add_argument("--num-test", type=int, default=200)
-    parser.add_argument("--max-operand", type=int, default=30)
+    parser.add_argument("--num-train", type=int, default=115)
+    parser.add_argument("--num-test", type=int, default=40)
+    parser.add_argument("--max-operand", type=int, default=9)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     train, test = make_rows(args.num_train, args.num_test, seed=args.seed, max_operand=args.max_operand)
