@@ -60,6 +60,41 @@ def resolve_rows(dataset: Dataset, files: str | list[str] | None, name: str) -> 
     return [validate_row(row, i, name) for i, row in enumerate(dataset)]
 
 
+def unsupported_settings(config: AgentRLConfig) -> list[str]:
+    """Valid settings this version cannot honour yet: refused up front, never silently ignored."""
+    arr, later = config.actor_rollout_ref, "needs the FSDP/Ray worker group, not available in this version"
+    problems = []
+    if config.trainer.backend != "local":
+        problems.append(
+            f"trainer.backend={config.trainer.backend}: only the local worker group is available in "
+            "this version; use trainer.backend=local (one device)"
+        )
+    if config.data.return_multi_modal_inputs:
+        problems.append(
+            "data.return_multi_modal_inputs=true: vision-language training is not available in this "
+            "version (the tiny:qwen2-vl preset and its processor are); leave it false"
+        )
+    if not arr.hybrid_engine:
+        problems.append(
+            "actor_rollout_ref.hybrid_engine=false: only the colocated actor+rollout is available"
+        )
+    offloads = {
+        "actor_rollout_ref.actor.fsdp_config.param_offload": arr.actor.fsdp_config.param_offload,
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload": arr.actor.fsdp_config.optimizer_offload,
+        "actor_rollout_ref.ref.fsdp_config.param_offload": arr.ref.fsdp_config.param_offload,
+        "critic.fsdp_config.param_offload": config.critic.fsdp_config.param_offload,
+        "critic.fsdp_config.optimizer_offload": config.critic.fsdp_config.optimizer_offload,
+    }
+    problems += [f"{key}=true: offload {later}" for key, on in offloads.items() if on]
+    pools = config.resource_pool_config
+    problems += [
+        f"resource_pool_config.{name}={value}: placement {later}"
+        for name, value in pools.model_dump().items()
+        if value is not None
+    ]
+    return problems
+
+
 def setup_logging() -> None:
     if not log.handlers:
         handler = logging.StreamHandler()
@@ -91,13 +126,9 @@ class AgentTrainer:
         self.flow = flow
         self.evaluator = evaluator
         self.config = resolve_config(config)
-        if self.config.trainer.backend != "local":
-            raise ConfigError(
-                [
-                    f"trainer.backend={self.config.trainer.backend}: only the local worker group is "
-                    "available in this version; use trainer.backend=local (one device)"
-                ]
-            )
+        problems = unsupported_settings(self.config)
+        if problems:
+            raise ConfigError(problems)
         self.train_rows = resolve_rows(train_dataset, self.config.data.train_files, "train_dataset")
         self.val_rows = resolve_rows(val_dataset, self.config.data.val_files, "val_dataset")
         if not self.train_rows:

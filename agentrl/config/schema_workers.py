@@ -31,7 +31,7 @@ class ModelConfig(_Section):
     enable_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     use_remove_padding: bool = True
-    """Pack sequences without padding for the forward pass."""
+    """Trim each micro-batch to its own longest row; false pads every micro-batch to the batch's longest row."""
     trust_remote_code: bool = False
     """Allow model code from the checkpoint folder / hub."""
 
@@ -76,7 +76,7 @@ class ActorFSDPConfig(_Section):
 
 class ActorConfig(_Section):
     strategy: Literal["fsdp2"] = "fsdp2"
-    """Training backend (FSDP2 `fully_shard`)."""
+    """Sharding of the FSDP/Ray worker group (FSDP2); the local backend trains the whole module on one device."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
     """Actor optimizer."""
     ppo_mini_batch_size: int = Field(8, ge=1)

@@ -77,9 +77,11 @@ class TrainBatch:
     def __setitem__(self, key: str, value: torch.Tensor) -> None:
         self.tensors[key] = value
 
-    def select(self, index: torch.Tensor) -> TrainBatch:
-        """The rows at `index`, trimmed to their longest sequence."""
-        length = int(self.attention_mask[index].sum(dim=1).max().item()) if len(index) else 1
+    def select(self, index: torch.Tensor, trim: bool = True) -> TrainBatch:
+        """The rows at `index`, trimmed to their longest sequence (or kept at the batch's length)."""
+        length = self.input_ids.shape[1]
+        if trim and len(index):
+            length = int(self.attention_mask[index].sum(dim=1).max().item())
 
         def cut(t: torch.Tensor) -> torch.Tensor:
             return t[index][:, :length] if t.dim() == 2 else t[index]

@@ -322,7 +322,10 @@ class Controller:
 
     def validate(self) -> dict[str, float]:
         val = self.config.actor_rollout_ref.rollout.val_kwargs
-        episodes = self.run_episodes(self.val_tasks, val.n, "val", "validate")
+        size = self.config.data.val_batch_size or len(self.val_tasks)
+        episodes = []
+        for start in range(0, len(self.val_tasks), size):
+            episodes += self.run_episodes(self.val_tasks[start : start + size], val.n, "val", "validate")
         return compute_validation_metrics(episodes)
 
     # ---- checkpoints ------------------------------------------------------------------------------

@@ -64,8 +64,9 @@ class CriticWorker:
                     batch,
                     rows,
                     micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
-                    use_dynamic_bsz=False,
-                    max_token_len=0,
+                    use_dynamic_bsz=cfg.use_dynamic_bsz,
+                    max_token_len=cfg.ppo_max_token_len_per_gpu,
+                    remove_padding=self.config.actor_rollout_ref.model.use_remove_padding,
                 ):
                     mask = micro.response_mask.to(self.device)
                     values = compute_values(self.model, micro)

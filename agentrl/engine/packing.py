@@ -21,15 +21,21 @@ def split_mini_batches(
 
 
 def split_micro_batches(
-    batch: TrainBatch, rows: torch.Tensor, *, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int
+    batch: TrainBatch,
+    rows: torch.Tensor,
+    *,
+    micro_batch_size: int,
+    use_dynamic_bsz: bool,
+    max_token_len: int,
+    remove_padding: bool = True,
 ) -> list[TrainBatch]:
-    """Micro-batches of one mini-batch, each trimmed to its own longest row.
+    """Micro-batches of one mini-batch, each trimmed to its own longest row (`remove_padding`).
 
     With `use_dynamic_bsz`, rows are sorted by length and packed greedily so that rows * longest row stays
     within `max_token_len` tokens (a row longer than the budget goes alone).
     """
     if not use_dynamic_bsz:
-        return [batch.select(chunk) for chunk in torch.split(rows, micro_batch_size)]
+        return [batch.select(chunk, trim=remove_padding) for chunk in torch.split(rows, micro_batch_size)]
     lengths = batch.attention_mask[rows].sum(dim=1)
     order = rows[torch.argsort(lengths, descending=True)]
     groups: list[list[int]] = []
@@ -44,4 +50,4 @@ def split_micro_batches(
         longest = max(longest, length)
     if current:
         groups.append(current)
-    return [batch.select(torch.tensor(g, dtype=torch.long)) for g in groups]
+    return [batch.select(torch.tensor(g, dtype=torch.long), trim=remove_padding) for g in groups]

@@ -145,6 +145,7 @@ class PolicyWorker:
                     micro_batch_size=actor_cfg.ppo_micro_batch_size_per_gpu,
                     use_dynamic_bsz=actor_cfg.use_dynamic_bsz,
                     max_token_len=actor_cfg.ppo_max_token_len_per_gpu,
+                    remove_padding=self.config.actor_rollout_ref.model.use_remove_padding,
                 )
                 for micro in micro_batches:
                     stats = self._actor_loss(micro, weight=len(micro) / len(rows))

@@ -109,6 +109,11 @@ def build_vllm_extra_args(config: Any) -> list[str]:
         extra += ["--tokenizer", resolve_model_path(model.tokenizer_path)]
     if model.trust_remote_code:
         extra.append("--trust-remote-code")
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.tensor_model_parallel_size > 1:
+        extra += ["--tensor-parallel-size", str(rollout.tensor_model_parallel_size)]
+    if torch.cuda.is_available():  # the CPU backend sizes its cache from VLLM_CPU_KVCACHE_SPACE instead
+        extra += ["--gpu-memory-utilization", str(rollout.gpu_memory_utilization)]
     return extra
 
 

@@ -66,3 +66,14 @@ def test_mini_batches_cover_every_row_once():
     assert sorted(torch.cat(minis).tolist()) == list(range(10))
     ordered = split_mini_batches(4, 8, None, shuffle=False)
     assert [m.tolist() for m in ordered] == [[0], [1], [2], [3]]
+
+
+def test_without_remove_padding_micro_batches_keep_the_batch_length():
+    batch = _batch([3, 7, 2, 5])
+    rows = torch.arange(4)
+    kept = split_micro_batches(
+        batch, rows, micro_batch_size=2, use_dynamic_bsz=False, max_token_len=0, remove_padding=False
+    )
+    trimmed = split_micro_batches(batch, rows, micro_batch_size=2, use_dynamic_bsz=False, max_token_len=0)
+    assert [mb.input_ids.shape[1] for mb in kept] == [7, 7]
+    assert [mb.input_ids.shape[1] for mb in trimmed] == [7, 5]
