@@ -46,7 +46,7 @@ from agentrl.evaluator import Evaluator, score_episode
 from agentrl.flow import AgentFlow
 from agentrl.rollout.collector import CollectorLimits, RolloutCollector
 from agentrl.rollout.stack import build_rollout_stack
-from agentrl.tracking import build_tracker, progress_bar
+from agentrl.tracking import build_tracker, progress_bar, set_progress_postfix
 from agentrl.types import Episode, Task, TerminationReason
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,12 @@ class Controller:
                 metrics.update(self.validate())
             self.tracker.log(metrics, step=step)
             bar.update(1)
-            bar.set_postfix(reward=f"{metrics.get('critic/full-score/mean', 0):.3f}")
+            set_progress_postfix(
+                bar,
+                step=step,
+                reward=metrics.get("critic/full-score/mean"),
+                throughput=metrics.get("perf/throughput"),
+            )
             if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or step == self.total_steps:
                 self.save_checkpoint()
         bar.close()

@@ -103,5 +103,10 @@ def test_a_killed_run_resumes_from_its_last_checkpoint_with_the_same_command(tmp
     steps = sorted({int(s) for s in steps if s is not None})
     assert steps == [1, 2, 3, 4, 5, 6]  # the step numbers continue; nothing restarts at 1
     assert (tmp_path / "mlflow_run_id.txt").read_text().strip() == run_id  # same MLflow run
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    logged = {m.step for m in client.get_metric_history(run_id, "critic/full-score/mean")}
+    assert logged == {1, 2, 3, 4, 5, 6}
     assert (tmp_path / "checkpoints" / "global_step_6" / "COMPLETE").exists()
     assert (tmp_path / "hf_model" / "config.json").exists()
