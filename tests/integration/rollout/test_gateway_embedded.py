@@ -216,21 +216,20 @@ def test_killing_a_server_mid_run_leaves_every_request_answered(stack: Gateway) 
         pool = RolloutPool(
             [victim_url, survivor.url], model_name=MODEL, request_timeout=30, probe_interval=60
         )
-        sampling = SamplingParams(max_tokens=48)  # long enough that requests are in flight at the kill
+        sampling = SamplingParams(max_tokens=160)  # long enough that requests are in flight at the kill
         with Gateway(pool, sampling_train=sampling) as gw:
 
             async def one(i: int) -> int:
                 async with openai.AsyncOpenAI(
                     base_url=gw.open_session(f"k{i}"), api_key="x", max_retries=0
                 ) as c:
-                    await c.completions.create(model=MODEL, prompt=f"{i} apples and", max_tokens=48)
+                    await c.completions.create(model=MODEL, prompt=f"{i} apples and", max_tokens=160)
                 return len(gw.session_traces(f"k{i}"))
 
             async def run():
                 tasks = [asyncio.create_task(one(i)) for i in range(12)]
-                while pool.servers[0].in_flight == 0:
-                    await asyncio.sleep(0.01)
-                await asyncio.sleep(0.1)
+                while pool.servers[0].in_flight < 2:  # kill while the victim is generating
+                    await asyncio.sleep(0.005)
                 in_flight_at_kill.append(pool.servers[0].in_flight)
                 proc.kill()  # SIGKILL: connections drop mid-generation
                 return await asyncio.gather(*tasks)
