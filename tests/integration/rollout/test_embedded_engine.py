@@ -6,34 +6,12 @@ import copy
 import pytest
 import torch
 
-from agentrl.models import load_causal_lm, load_tokenizer
 from agentrl.rollout.engines.embedded import EmbeddedEngine, fingerprint_state_dict
 from agentrl.types import SamplingParams
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny:qwen2-mini"
 QUESTIONS = ["What is 2+3?", "Alice has 5 apples and buys 7 more. How many now?", "Hi", "Count: 1 2 3"]
-
-
-def _diverse_model(seed: int = 0):
-    """The tiny preset with larger random weights, so greedy text varies (the stock init repeats '\\n')."""
-    model = load_causal_lm(MODEL)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    return model
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(MODEL)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return _diverse_model()
 
 
 @pytest.fixture
@@ -142,10 +120,10 @@ def test_prompt_limits(engine, prompts):
     assert out.finish_reason == "length" and len(out.token_ids) == 8  # clamped at max_model_len
 
 
-def test_update_weights_changes_output_version_and_fingerprint(engine, prompts):
+def test_update_weights_changes_output_version_and_fingerprint(engine, prompts, make_diverse_model):
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     before = asyncio.run(engine.generate(prompts[0], greedy))[0].token_ids
-    new_state = _diverse_model(seed=1).state_dict()
+    new_state = make_diverse_model(seed=1).state_dict()
     assert engine.weights_fingerprint() != fingerprint_state_dict(new_state)
     assert engine.update_weights(new_state) == 1 and engine.policy_version == 1
     assert engine.weights_fingerprint() == fingerprint_state_dict(new_state)

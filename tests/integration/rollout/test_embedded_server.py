@@ -9,7 +9,6 @@ import openai
 import pytest
 import torch
 
-from agentrl.models import load_causal_lm, load_tokenizer
 from agentrl.rollout.chat import render_chat
 from agentrl.rollout.engines.embedded import EmbeddedEngine, fingerprint_state_dict
 from agentrl.rollout.http_server import start_server_in_thread
@@ -18,27 +17,6 @@ from agentrl.rollout.server import build_server_app
 pytestmark = pytest.mark.slow
 MODEL = "tiny:qwen2-mini"
 USER = [{"role": "user", "content": "Alice has 5 apples and buys 7 more. How many now?"}]
-
-
-def _diverse_model(seed: int = 0):
-    """The tiny preset with larger random weights, so greedy text varies (the stock init repeats '\\n')."""
-    model = load_causal_lm(MODEL)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    return model
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(MODEL)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return _diverse_model()
 
 
 def _serve(model, tokenizer, max_model_len=256):
@@ -265,7 +243,7 @@ def test_bad_inputs_get_400_naming_the_field_while_good_requests_succeed(server)
     assert responses[-1].status_code == 400 and "300 tokens" in responses[-1].json()["error"]["message"]
 
 
-def test_admin_routes(admin_server, tmp_path, tokenizer):
+def test_admin_routes(admin_server, tmp_path, tokenizer, make_diverse_model):
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import save_file
 
@@ -280,7 +258,7 @@ def test_admin_routes(admin_server, tmp_path, tokenizer):
     assert [m["id"] for m in models] == ["tiny"] and models[0]["max_model_len"] == 256
     before, version = greedy()
     assert version == 0
-    new_state = {k: v.clone() for k, v in _diverse_model(seed=3).state_dict().items()}
+    new_state = {k: v.clone() for k, v in make_diverse_model(seed=3).state_dict().items()}
     save_file(new_state, str(tmp_path / "model.safetensors"))
     update = httpx.post(handle.url + "/update_weights", json={"path": str(tmp_path)}, timeout=60).json()
     assert update == {"policy_version": 1, "weights_fingerprint": fingerprint_state_dict(new_state)}
