@@ -11,7 +11,7 @@ from agentrl.algorithms.losses import compute_value_loss
 from agentrl.engine.assembly import TrainBatch
 from agentrl.engine.forward import compute_values
 from agentrl.engine.optim import build_lr_scheduler, build_optimizer
-from agentrl.engine.packing import split_micro_batches, split_mini_batches
+from agentrl.engine.ppo_update import run_ppo_updates
 from agentrl.models import resolve_model_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,45 +52,38 @@ class CriticWorker:
         return torch.cat(parts) * batch.attention_mask
 
     def update_critic(self, batch: TrainBatch) -> dict[str, float]:
-        cfg = self.config.critic
-        self.model.train()
-        sums: dict[str, float] = {}
-        count = 0
-        num_minis = max(1, self.config.data.train_batch_size // cfg.ppo_mini_batch_size)
-        for _ in range(cfg.ppo_epochs):
-            for rows in split_mini_batches(len(batch), num_minis, self.generator, shuffle=True):
-                self.optimizer.zero_grad(set_to_none=True)
-                for micro in split_micro_batches(
-                    batch,
-                    rows,
-                    micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
-                    use_dynamic_bsz=cfg.use_dynamic_bsz,
-                    max_token_len=cfg.ppo_max_token_len_per_gpu,
-                    remove_padding=self.config.actor_rollout_ref.model.use_remove_padding,
-                ):
-                    mask = micro.response_mask.to(self.device)
-                    values = compute_values(self.model, micro)
-                    result = compute_value_loss(
-                        values,
-                        micro["values"].to(self.device),
-                        micro["returns"].to(self.device),
-                        mask,
-                        cliprange_value=cfg.cliprange_value,
-                        loss_agg_mode=cfg.loss_agg_mode,
-                    )
-                    (result.loss * len(micro) / len(rows)).backward()
-                    sums["critic/vf_loss"] = sums.get("critic/vf_loss", 0.0) + result.loss.item()
-                    sums["critic/vf_clipfrac"] = sums.get("critic/vf_clipfrac", 0.0) + float(result.clipfrac)
-                    count += 1
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                sums["critic/grad_norm"] = sums.get("critic/grad_norm", 0.0) + float(grad_norm)
-        self.scheduler.step()
-        metrics = {key: value / max(count, 1) for key, value in sums.items()}
-        metrics["critic/loss"] = metrics.get("critic/vf_loss", 0.0)
-        metrics["critic/lr"] = self.scheduler.get_last_lr()[0]
+        """Clipped value-loss epochs over mini-batches, like the actor's (`critic.ppo_*`)."""
+        metrics = run_ppo_updates(
+            batch,
+            self._value_loss,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            generator=self.generator,
+            section=self.config.critic,
+            train_batch_size=self.config.data.train_batch_size,
+            shuffle=True,
+            remove_padding=self.config.actor_rollout_ref.model.use_remove_padding,
+            prefix="critic",
+        )
+        metrics["critic/loss"] = metrics["critic/vf_loss"]
         return metrics
+
+    def _value_loss(self, micro: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg = self.config.critic
+        values = compute_values(self.model, micro)
+        result = compute_value_loss(
+            values,
+            micro["values"].to(self.device),
+            micro["returns"].to(self.device),
+            micro.response_mask.to(self.device),
+            cliprange_value=cfg.cliprange_value,
+            loss_agg_mode=cfg.loss_agg_mode,
+        )
+        return result.loss, {
+            "critic/vf_loss": result.loss.item(),
+            "critic/vf_clipfrac": float(result.clipfrac),
+        }
 
     def save(self, folder: Path) -> None:
         folder = Path(folder)

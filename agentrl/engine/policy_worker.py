@@ -20,7 +20,7 @@ from agentrl.engine.assembly import TrainBatch
 from agentrl.engine.forward import compute_log_probs
 from agentrl.engine.lora import adapters_disabled, apply_lora, is_lora_model
 from agentrl.engine.optim import build_lr_scheduler, build_optimizer
-from agentrl.engine.packing import split_micro_batches, split_mini_batches
+from agentrl.engine.ppo_update import run_ppo_updates
 from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -130,45 +130,21 @@ class PolicyWorker:
 
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:
         """PPO epochs over mini-batches; one optimizer step per mini-batch; one LR step per call."""
-        actor_cfg = self.config.actor_rollout_ref.actor
-        self.actor.train()
-        sums: dict[str, float] = {}
-        count = 0
-        skipped = 0
-        num_minis = max(1, self.config.data.train_batch_size // actor_cfg.ppo_mini_batch_size)
-        for _ in range(actor_cfg.ppo_epochs):
-            for rows in split_mini_batches(len(batch), num_minis, self.generator, actor_cfg.shuffle):
-                self.optimizer.zero_grad(set_to_none=True)
-                micro_batches = split_micro_batches(
-                    batch,
-                    rows,
-                    micro_batch_size=actor_cfg.ppo_micro_batch_size_per_gpu,
-                    use_dynamic_bsz=actor_cfg.use_dynamic_bsz,
-                    max_token_len=actor_cfg.ppo_max_token_len_per_gpu,
-                    remove_padding=self.config.actor_rollout_ref.model.use_remove_padding,
-                )
-                for micro in micro_batches:
-                    stats = self._actor_loss(micro, weight=len(micro) / len(rows))
-                    for key, value in stats.items():
-                        sums[key] = sums.get(key, 0.0) + value
-                    count += 1
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), actor_cfg.grad_clip)
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:
-                    skipped += 1
-                    log.warning("actor: non-finite grad norm %s; optimizer step skipped", grad_norm.item())
-                sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(grad_norm) * len(
-                    micro_batches
-                )
-        self.scheduler.step()
-        metrics = {key: value / max(count, 1) for key, value in sums.items()}
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        if skipped:
-            metrics["actor/skipped_steps"] = float(skipped)  # a count of optimizer steps, not averaged
-        return metrics
+        return run_ppo_updates(
+            batch,
+            self._actor_loss,
+            model=self.actor,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            generator=self.generator,
+            section=self.config.actor_rollout_ref.actor,
+            train_batch_size=self.config.data.train_batch_size,
+            shuffle=self.config.actor_rollout_ref.actor.shuffle,
+            remove_padding=self.config.actor_rollout_ref.model.use_remove_padding,
+            prefix="actor",
+        )
 
-    def _actor_loss(self, micro: TrainBatch, weight: float) -> dict[str, float]:
+    def _actor_loss(self, micro: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config.actor_rollout_ref.actor
         mask = micro.response_mask.to(self.device)
         log_probs, entropy = compute_log_probs(self.actor, micro, with_entropy=True)
@@ -197,9 +173,8 @@ class PolicyWorker:
             kl_loss = aggregate_loss(kl, mask, cfg.loss_agg_mode)
             loss = loss + cfg.kl_loss_coef * kl_loss
             stats["actor/kl_loss"] = kl_loss.item()
-        (loss * weight).backward()
         stats["actor/loss"] = loss.item()
-        return stats
+        return loss, stats
 
     def _map_micro_batches(self, batch: TrainBatch, fn) -> tuple[torch.Tensor, ...]:
         """Run `fn` over micro-batches of `batch` and stitch the (B, L) outputs back together."""
