@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from agentrl.rollout._openai_protocol import SamplingFields
 from agentrl.rollout.pool import RolloutPool
 from agentrl.rollout.traces import TraceStore, UnknownSessionError
 from agentrl.types import SamplingParams, Trace
@@ -35,21 +36,10 @@ from agentrl.types import SamplingParams, Trace
 _TOKEN_FIELDS = ("prompt_token_ids", "token_ids")
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Common(SamplingFields):
+    """The sampling fields the embedded server validates too; unknown fields are kept and forwarded."""
 
-    model: str | None = None
-    n: int = Field(1, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    return_token_ids: bool | None = None
+    model_config = ConfigDict(extra="allow")
 
 
 class _ChatBody(_Common):
@@ -233,7 +223,7 @@ def build_gateway_app(
             body["model"] = req.model
         if not req.stream:
             return JSONResponse(body)
-        usage = bool((req.stream_options or {}).get("include_usage"))
+        usage = bool(req.stream_options and req.stream_options.include_usage)
         chunks = stream_chat(body, usage) if chat else stream_completion(body, usage)
         return StreamingResponse(chunks, media_type="text/event-stream")
 
