@@ -404,8 +404,13 @@ class Gateway:
     def session_url(self, session_id: str) -> str:
         return f"{self.url}/sessions/{session_id}/v1"
 
-    def open_session(self, session_id: str | None = None, mode: str = "train") -> str:
-        return self.session_url(self.trace_store.open_session(session_id, mode))
+    def open_session(
+        self, session_id: str | None = None, mode: str = "train", max_calls: int | None = None
+    ) -> str:
+        return self.session_url(self.trace_store.open_session(session_id, mode, max_calls=max_calls))
+
+    def refused_calls(self, session_id: str) -> int:
+        return self.trace_store.refused_calls(session_id)
 
     def session_traces(self, session_id: str) -> list[Trace]:
         return self.trace_store.traces(session_id)
