@@ -113,12 +113,11 @@ class PolicyWorker:
     # ---- training side ------------------------------------------------------------------------------
     @torch.no_grad()
     def compute_log_prob(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
-        """Old log-probs (and entropy) of the current actor, for the PPO ratio."""
+        """Old log-probs of the current actor, for the PPO ratio (entropy is measured in the update)."""
         self.actor.eval()
-        log_probs, entropy = self._map_micro_batches(
-            batch, lambda mb: compute_log_probs(self.actor, mb, with_entropy=True)
-        )
-        return {"old_log_probs": log_probs, "entropy": entropy}
+        return {
+            "old_log_probs": self._map_micro_batches(batch, lambda mb: compute_log_probs(self.actor, mb))[0]
+        }
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
