@@ -14,6 +14,7 @@ from agentrl.algorithms.advantages import (
     compute_grpo_advantages,
     compute_reinforce_advantages,
     compute_reinforce_plus_plus_advantages,
+    compute_reinforce_plus_plus_baseline_advantages,
     compute_rloo_advantages,
     register_advantage_estimator,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "compute_policy_loss",
     "compute_reinforce_advantages",
     "compute_reinforce_plus_plus_advantages",
+    "compute_reinforce_plus_plus_baseline_advantages",
     "compute_rloo_advantages",
     "compute_solve_counts",
     "compute_step_counts",

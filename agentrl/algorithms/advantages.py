@@ -31,6 +31,7 @@ __all__ = [
     "compute_grpo_advantages",
     "compute_reinforce_advantages",
     "compute_reinforce_plus_plus_advantages",
+    "compute_reinforce_plus_plus_baseline_advantages",
     "compute_rloo_advantages",
     "register_advantage_estimator",
 ]
@@ -78,6 +79,7 @@ def compute_advantages(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     eps: float = 1e-6,
+    sample_ids: torch.Tensor | None = None,
 ) -> AdvantageResult:
     """Run the estimator registered as `name` (the value of `algorithm.adv_estimator`).
 
@@ -85,6 +87,10 @@ def compute_advantages(
         last valid token of its row). response_mask: (B, T) bool, True on policy tokens.
     group_ids: (B,) long, rows sampled from the same prompt share an id (the GRPO/RLOO group).
     values: (B, T) float critic values, needed by `gae` only.
+    sample_ids: (B,) long, optional; rows with the same id are one sample (a trajectory split into
+        several rows). The group estimators (grpo, rloo, reinforce_plus_plus_baseline) then count
+        it once in its group, with the mean of its rows' scores, and give each of its rows the
+        sample's advantage. Default: every row is a sample.
     gamma, lam: discount and GAE lambda (`algorithm.gamma`, `algorithm.lam`).
     norm_adv_by_std_in_grpo: divide by the group std in `grpo` (`algorithm.norm_adv_by_std_in_grpo`).
     eps: added to the group std in `grpo` so that a group of equal scores gives 0, not NaN.
@@ -103,6 +109,8 @@ def compute_advantages(
         )
     if values is not None and values.shape != token_rewards.shape:
         raise ValueError(f"values has shape {tuple(values.shape)}, expected {tuple(token_rewards.shape)}")
+    if sample_ids is not None and sample_ids.shape != group_ids.shape:
+        raise ValueError(f"sample_ids has shape {tuple(sample_ids.shape)}, expected {tuple(group_ids.shape)}")
     return ADVANTAGE_ESTIMATORS[name](
         token_rewards=token_rewards,
         response_mask=mask,
@@ -112,6 +120,7 @@ def compute_advantages(
         lam=lam,
         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
         eps=eps,
+        sample_ids=sample_ids,
     )
 
 
@@ -129,20 +138,64 @@ def _sequence_scores(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.T
     return _zero_where_masked(token_rewards, mask).sum(-1)
 
 
+def _sample_scores(
+    scores: torch.Tensor, group_ids: torch.Tensor, sample_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row scores (B,) -> (sample scores (N,), sample group ids (N,), row -> sample index (B,)).
+
+    A sample's score is the mean of its rows' scores (a trajectory split into rows carries its
+    outcome on each row). Without `sample_ids` every row is its own sample.
+    """
+    if sample_ids is None:
+        return scores, group_ids, torch.arange(scores.numel(), device=scores.device)
+    row_sample, num_samples = index_groups(sample_ids)
+    count = torch.bincount(row_sample, minlength=num_samples).to(scores.dtype)
+    sample_scores = torch.zeros(num_samples, dtype=scores.dtype, device=scores.device)
+    sample_scores = sample_scores.index_add_(0, row_sample, scores) / count
+    rows = torch.arange(scores.numel(), device=scores.device)
+    first_row = torch.full((num_samples,), scores.numel(), dtype=torch.long, device=scores.device)
+    first_row = first_row.scatter_reduce(0, row_sample, rows, reduce="amin")
+    sample_groups = group_ids[first_row]
+    if bool((sample_groups[row_sample] != group_ids).any()):
+        raise ValueError("rows with the same sample_ids must have the same group_ids (one sample, one group)")
+    return sample_scores, sample_groups, row_sample
+
+
+def _group_stats_verl(scores: torch.Tensor, group_ids: torch.Tensor):
+    """(count, mean, unbiased std), each (B,), with verl's convention for a group of one: mean 0, std 1."""
+    inverse, num_groups = index_groups(group_ids)
+    count, mean, std = group_mean_std(scores, inverse, num_groups)
+    lone = count == 1
+    return (
+        count,
+        torch.where(lone, torch.zeros_like(mean), mean),
+        torch.where(lone, torch.ones_like(std), std),
+    )
+
+
 def compute_discounted_returns(
-    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    *,
+    reset_at_masked: bool = False,
 ) -> torch.Tensor:
     """Reward-to-go over valid tokens: G_t = r_t + gamma * G_{t'} with t' the next valid token.
 
     token_rewards: (B, T) float; response_mask: (B, T) bool. Returns (B, T), 0 on masked positions.
-    Masked positions are skipped: they add no reward and no discount step, so an observation
-    between two assistant turns does not break or shrink the return (Sutton & Barto, eq. 3.8).
+    By default masked positions are skipped: they add no reward and no discount step, so an
+    observation between two assistant turns does not break or shrink the return (Sutton & Barto,
+    eq. 3.8). With `reset_at_masked` the running return restarts at 0 at every masked position
+    (verl's REINFORCE++ multiplies it by the mask), so a reward after a masked gap does not reach
+    the tokens before it: G_t = r_t + gamma * G_{t+1} * m_{t+1}.
     """
     mask = as_bool_mask(response_mask, token_rewards, "response_mask")
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
+    reset = torch.zeros_like(running)
     for t in reversed(range(token_rewards.shape[1])):
-        running = torch.where(mask[:, t], token_rewards[:, t] + gamma * running, running)
+        carried = reset if reset_at_masked else running
+        running = torch.where(mask[:, t], token_rewards[:, t] + gamma * running, carried)
         returns[:, t] = running
     return _zero_where_masked(returns, mask)
 
@@ -198,6 +251,7 @@ def compute_grpo_advantages(
     group_ids: torch.Tensor,
     norm_adv_by_std_in_grpo: bool = True,
     eps: float = 1e-6,
+    sample_ids: torch.Tensor | None = None,
     **_,
 ) -> AdvantageResult:
     """Group-relative outcome advantage (GRPO, Shao et al. 2024, arXiv:2402.03300).
@@ -207,37 +261,45 @@ def compute_grpo_advantages(
         A_i = (s_i - mean_g(s)) / (std_g(s) + eps)            (std: unbiased, within i's group g)
         A_i = s_i - mean_g(s)                                  when norm_adv_by_std_in_grpo=False
     (the second form is Dr. GRPO, Liu et al. 2025, arXiv:2503.20783). A_i is placed on every valid
-    token of row i. A group of one has no baseline and gets A = 0. Returns (B, T) advantages and
-    returns equal to them (verl's convention for outcome estimators).
+    token of row i. A group of one is treated as verl does: mean 0 and std 1, so A_i = s_i / (1 + eps)
+    (A_i = s_i without the std). With `sample_ids` the statistics count each sample once (see
+    `compute_advantages`). Returns (B, T) advantages and returns equal to them (verl's convention
+    for outcome estimators).
     """
-    scores = _sequence_scores(token_rewards, response_mask)
-    inverse, num_groups = index_groups(group_ids)
-    count, mean, std = group_mean_std(scores, inverse, num_groups)
+    scores, groups, row_sample = _sample_scores(
+        _sequence_scores(token_rewards, response_mask), group_ids, sample_ids
+    )
+    count, mean, std = _group_stats_verl(scores, groups)
     adv = scores - mean
     if norm_adv_by_std_in_grpo:
         adv = adv / (std + eps)
-    adv = torch.where(count > 1, adv, torch.zeros_like(adv))
-    advantages = _broadcast_scores(adv, response_mask)
+    advantages = _broadcast_scores(adv[row_sample], response_mask)
     return AdvantageResult(advantages, advantages.clone())
 
 
 @register_advantage_estimator("rloo")
 def compute_rloo_advantages(
-    *, token_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: torch.Tensor, **_
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    sample_ids: torch.Tensor | None = None,
+    **_,
 ) -> AdvantageResult:
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740).
 
     token_rewards: (B, T) float; response_mask: (B, T) bool; group_ids: (B,) long.
         A_i = s_i - (1 / (n - 1)) * sum_{j != i} s_j  =  n / (n - 1) * (s_i - mean_g(s))
-    with s_i the summed token reward of row i and n its group's size. A group of one gets A = 0.
+    with s_i the summed token reward of row i and n its group's size. A group of one keeps its
+    score, A_i = s_i (verl: baseline 0). `sample_ids` as in `compute_advantages`.
     Placed on every valid token; returns equal the advantages.
     """
-    scores = _sequence_scores(token_rewards, response_mask)
-    inverse, num_groups = index_groups(group_ids)
-    count, mean, _std = group_mean_std(scores, inverse, num_groups)
-    adv = (scores - mean) * count / (count - 1).clamp(min=1)
-    adv = torch.where(count > 1, adv, torch.zeros_like(adv))
-    advantages = _broadcast_scores(adv, response_mask)
+    scores, groups, row_sample = _sample_scores(
+        _sequence_scores(token_rewards, response_mask), group_ids, sample_ids
+    )
+    count, mean, _std = _group_stats_verl(scores, groups)
+    adv = torch.where(count > 1, (scores - mean) * count / (count - 1).clamp(min=1), scores)
+    advantages = _broadcast_scores(adv[row_sample], response_mask)
     return AdvantageResult(advantages, advantages.clone())
 
 
@@ -248,12 +310,40 @@ def compute_reinforce_plus_plus_advantages(
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted returns whitened across the batch.
 
     token_rewards: (B, T) float; response_mask: (B, T) bool.
-        G_t = r_t + gamma * G_{t'}  (`compute_discounted_returns`),  A = (G - mean(G)) / sqrt(var(G) + 1e-8)
+        G_t = r_t + gamma * G_{t+1} * m_{t+1},   A = (G - mean(G)) / sqrt(var(G) + 1e-8)
     with mean and unbiased variance over all valid tokens of the batch (a global, not per-group,
-    baseline). Returns (advantages, G), both (B, T).
+    baseline). As in verl the running return restarts at every masked position, so it does not
+    carry across an observation gap (`compute_discounted_returns(reset_at_masked=True)`).
+    Returns (advantages, G), both (B, T).
     """
-    returns = compute_discounted_returns(token_rewards, response_mask, gamma)
+    returns = compute_discounted_returns(token_rewards, response_mask, gamma, reset_at_masked=True)
     return AdvantageResult(masked_whiten(returns, response_mask), returns)
+
+
+@register_advantage_estimator("reinforce_plus_plus_baseline")
+def compute_reinforce_plus_plus_baseline_advantages(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    sample_ids: torch.Tensor | None = None,
+    **_,
+) -> AdvantageResult:
+    """REINFORCE++ with a group baseline (Hu 2025, arXiv:2501.03262; verl's formula).
+
+    token_rewards: (B, T) float; response_mask: (B, T) bool; group_ids: (B,) long.
+        a_i = s_i - mean_g(s)            (a group of one: mean 0, as verl)
+        A   = whiten(a_i on every valid token of row i)   over all valid tokens of the batch
+    so, like REINFORCE++, the scale is set by the whole batch, while the baseline is the group's.
+    `sample_ids` as in `compute_advantages`. Returns (B, T) advantages and returns equal to them.
+    """
+    scores, groups, row_sample = _sample_scores(
+        _sequence_scores(token_rewards, response_mask), group_ids, sample_ids
+    )
+    _count, mean, _std = _group_stats_verl(scores, groups)
+    centred = _broadcast_scores((scores - mean)[row_sample], response_mask)
+    advantages = masked_whiten(centred, response_mask)
+    return AdvantageResult(advantages, advantages.clone())
 
 
 @register_advantage_estimator("reinforce")

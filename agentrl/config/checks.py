@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from agentrl.config.schema import AgentRLConfig
     from agentrl.config.schema_workers import ActorConfig, CriticConfig
 
-_GROUP_ESTIMATORS = ("grpo", "rloo")
+_GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 def _world_size(cfg: AgentRLConfig) -> int:
@@ -83,7 +83,7 @@ def _check_critic_batch_sizes(cfg: AgentRLConfig) -> list[str]:
 
 
 def _check_group_size(cfg: AgentRLConfig) -> list[str]:
-    """grpo and rloo compare samples within a group: actor_rollout_ref.rollout.n >= 2."""
+    """grpo, rloo and reinforce_plus_plus_baseline compare samples within a group: actor_rollout_ref.rollout.n >= 2."""
     est, n = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
     if est in _GROUP_ESTIMATORS and n < 2:
         return [

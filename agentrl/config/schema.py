@@ -24,7 +24,7 @@ from agentrl.config._base import Section as _Section
 from agentrl.config.schema_workers import ActorRolloutRefConfig, CriticConfig
 
 BUILTIN_ADVANTAGE_ESTIMATORS: frozenset[str] = frozenset(
-    {"grpo", "gae", "reinforce", "reinforce_plus_plus", "rloo"}
+    {"grpo", "gae", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"}
 )
 """Names accepted without importing the algorithm registry (which imports torch)."""
 
@@ -77,7 +77,7 @@ class KLControlConfig(_Section):
 
 class AlgorithmConfig(_Section):
     adv_estimator: str = "grpo"
-    """Advantage estimator: grpo, gae, reinforce, reinforce_plus_plus, rloo, or a registered name."""
+    """Advantage estimator: grpo, gae, reinforce, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo, or a registered name."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """Discount factor."""
     lam: float = Field(1.0, ge=0.0, le=1.0)

@@ -14,7 +14,7 @@ from agentrl.algorithms import (
     register_advantage_estimator,
 )
 
-ALL_ESTIMATORS = ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce"]
+ALL_ESTIMATORS = ["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "reinforce"]
 
 
 def _outcome_batch(scores, width=3):
@@ -42,7 +42,7 @@ def test_grpo_hand_computed():
     # groups: 0 -> scores [1, 0, 2]; 1 -> [3, 1]; 2 -> [5] (singleton)
     # group 0: mean 1, unbiased std sqrt((0 + 1 + 1) / 2) = 1       -> A = [0, -1, 1]
     # group 1: mean 2, unbiased std sqrt((1 + 1) / 1) = sqrt(2)     -> A = [1/sqrt2, -1/sqrt2]
-    # group 2: a group of one has no baseline                        -> A = 0
+    # group 2: a group of one gets verl's mean 0, std 1              -> A = 5 / (1 + 1e-6)
     rewards, mask = _outcome_batch([1.0, 0.0, 2.0, 3.0, 1.0, 5.0])
     # row 0 spreads its score over two tokens (0.5 + 0.5 = 1) and has 9 on a padding token (ignored)
     rewards[0] = torch.tensor([0.5, 0.5, 9.0])
@@ -50,7 +50,7 @@ def test_grpo_hand_computed():
     groups = torch.tensor([0, 0, 0, 1, 1, 2])
     res = compute_advantages("grpo", token_rewards=rewards, response_mask=mask, group_ids=groups)
     s = 1 / math.sqrt(2)
-    expected = torch.tensor([0.0, -1.0, 1.0, s, -s, 0.0])
+    expected = torch.tensor([0.0, -1.0, 1.0, s, -s, 5.0 / (1 + 1e-6)])
     torch.testing.assert_close(_row_values(res.advantages, mask), expected, atol=1e-5, rtol=0)
     # broadcast over valid tokens only, zero elsewhere; returns equal advantages
     assert torch.all(res.advantages[~mask] == 0)
@@ -59,13 +59,14 @@ def test_grpo_hand_computed():
 
 
 def test_grpo_without_std_division():
-    # same groups, no std division: group 0 -> [0, -1, 1]; group 1 -> [3-2, 1-2] = [1, -1]; singleton 0
+    # same groups, no std division: group 0 -> [0, -1, 1]; group 1 -> [3-2, 1-2] = [1, -1];
+    # the singleton's baseline is 0 (verl), so it keeps its score 5
     rewards, mask = _outcome_batch([1.0, 0.0, 2.0, 3.0, 1.0, 5.0])
     groups = torch.tensor([0, 0, 0, 1, 1, 2])
     res = compute_advantages(
         "grpo", token_rewards=rewards, response_mask=mask, group_ids=groups, norm_adv_by_std_in_grpo=False
     )
-    expected = torch.tensor([0.0, -1.0, 1.0, 1.0, -1.0, 0.0])
+    expected = torch.tensor([0.0, -1.0, 1.0, 1.0, -1.0, 5.0])
     torch.testing.assert_close(_row_values(res.advantages, mask), expected)
 
 
@@ -79,11 +80,11 @@ def test_grpo_equal_scores_give_zero_not_nan():
 
 def test_rloo_hand_computed():
     # group 0 scores [1, 0, 2]: A_i = s_i - mean(others): 1 - 1 = 0, 0 - 1.5 = -1.5, 2 - 0.5 = 1.5
-    # group 1 scores [3, 1]:   3 - 1 = 2, 1 - 3 = -2;  group 2 (singleton): 0
+    # group 1 scores [3, 1]:   3 - 1 = 2, 1 - 3 = -2;  group 2 (singleton, baseline 0 as verl): 5
     rewards, mask = _outcome_batch([1.0, 0.0, 2.0, 3.0, 1.0, 5.0])
     groups = torch.tensor([4, 4, 4, 9, 9, 1])  # ids need not be dense
     res = compute_advantages("rloo", token_rewards=rewards, response_mask=mask, group_ids=groups)
-    expected = torch.tensor([0.0, -1.5, 1.5, 2.0, -2.0, 0.0])
+    expected = torch.tensor([0.0, -1.5, 1.5, 2.0, -2.0, 5.0])
     torch.testing.assert_close(_row_values(res.advantages, mask), expected)
     assert torch.all(res.advantages[~mask] == 0)
 
@@ -194,8 +195,11 @@ def test_group_normalised_advantages_have_zero_mean_per_group(name, norm):
     )
     per_row = _row_values(res.advantages, mask)
     assert per_row.abs().sum() > 0
-    for gid in groups.unique():
-        assert abs(float(per_row[groups == gid].mean())) < 1e-5
+    sizes = {int(g): int((groups == g).sum()) for g in groups.unique()}
+    assert min(sizes.values()) == 1 and max(sizes.values()) > 1  # both kinds of group are exercised
+    for gid, size in sizes.items():
+        if size > 1:  # a group of one keeps its own score (verl: baseline 0)
+            assert abs(float(per_row[groups == gid].mean())) < 1e-5
 
 
 @pytest.mark.parametrize("name", ALL_ESTIMATORS)

@@ -74,15 +74,15 @@ def test_per_step_group_ids():
 def test_per_step_hand_computed():
     # gamma 1 returns: traj 0 [1, 1, 1]; traj 1 [0]; traj 2 [2, 2]; traj 3 [1, 1]; traj 4 [1, 0.5]
     # groups (task, k): (0,0) [1, 0, 2] -> [0, -1, 1]; (0,1) [1, 2] -> [-1/sqrt2, 1/sqrt2];
-    # (0,2) [1] singleton -> 0; (1,0) [1, 1] -> [0, 0]; (1,1) [1, 0.5] -> [1/sqrt2, -1/sqrt2]
+    # (0,2) [1] singleton -> verl's mean 0, std 1: 1 / (1 + 1e-6); (1,0) [1, 1] -> [0, 0]; (1,1) [1, 0.5] -> [1/sqrt2, -1/sqrt2]
     rewards = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0, 2.0, 0.0, 1.0, 0.5, 0.5])
     res = compute_per_step_advantages(rewards, STEP_TRAJ, TRAJ_GROUPS, gamma=1.0)
-    expected = torch.tensor([0.0, -S, 0.0, -1.0, 1.0, S, 0.0, S, 0.0, -S])
+    expected = torch.tensor([0.0, -S, 1.0, -1.0, 1.0, S, 0.0, S, 0.0, -S])
     torch.testing.assert_close(res.advantages, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(res.returns, torch.tensor([1.0, 1.0, 1.0, 0.0, 2.0, 2.0, 1.0, 1.0, 1.0, 0.5]))
     # normalize_by_steps divides by the step counts [3, 1, 2, 2, 2]
     res = compute_per_step_advantages(rewards, STEP_TRAJ, TRAJ_GROUPS, gamma=1.0, normalize_by_steps=True)
-    expected = torch.tensor([0.0, -S / 3, 0.0, -1.0, 0.5, S / 2, 0.0, S / 2, 0.0, -S / 2])
+    expected = torch.tensor([0.0, -S / 3, 1 / 3, -1.0, 0.5, S / 2, 0.0, S / 2, 0.0, -S / 2])
     torch.testing.assert_close(res.advantages, expected, atol=1e-5, rtol=0)
 
 

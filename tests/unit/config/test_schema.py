@@ -138,7 +138,10 @@ def test_unknown_estimator_lists_known_names_and_closest(problems_for, monkeypat
     monkeypatch.setitem(sys.modules, "agentrl.algorithms.advantages", fake)
     (message,) = problems_for({"algorithm.adv_estimator": "grpp"})
     assert message.startswith("algorithm.adv_estimator='grpp' is invalid")
-    assert "reinforce_plus_plus, rloo" in message and "did you mean 'grpo'?" in message
+    assert (
+        "reinforce_plus_plus, reinforce_plus_plus_baseline, rloo" in message
+        and "did you mean 'grpo'?" in message
+    )
 
 
 def test_estimator_registered_by_user_is_accepted(monkeypatch):
