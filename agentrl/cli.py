@@ -1,7 +1,7 @@
 """The `agentrl` command: a table of subcommands, each imported only when it runs.
 
-Lazy imports keep `agentrl config` (and `--help`) fast: it validates the configuration without
-loading torch, transformers or Ray. A subcommand is a function `fn(argv: list[str]) -> int | None`
+Lazy imports keep `agentrl config` (and `--help`) fast: it validates the configuration and imports
+`agent.flow` / `agent.evaluator` without loading torch, transformers or Ray. A subcommand is a function `fn(argv: list[str]) -> int | None`
 named as "module:function" in `COMMANDS`; None means exit status 0. A `ConfigError` from any
 subcommand is printed as its list of problems with exit status 2.
 """
@@ -111,8 +111,10 @@ def run_config(argv: Sequence[str]) -> int:
     ns = parser.parse_args(list(argv))
 
     from agentrl.config import config_to_yaml, load_config
+    from agentrl.trainer_cli import build_agent
 
     cfg = load_config(ns.overrides, config_path=ns.config_path)
+    build_agent(cfg)  # a flow or evaluator that does not import fails here, not minutes into `train`
     sys.stdout.write(config_to_yaml(cfg))
     return 0
 

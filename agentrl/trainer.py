@@ -11,6 +11,7 @@ the defaults. Datasets are lists of rows in the verl format or paths to parquet/
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,13 +52,70 @@ def resolve_config(config: AgentRLConfig | Sequence[str] | None) -> AgentRLConfi
     return load_config(list(config))
 
 
-def resolve_rows(dataset: Dataset, files: str | list[str] | None, name: str) -> list[dict[str, Any]]:
-    """Rows from a list of dicts (validated one by one) or from files; errors name the row and field."""
+def resolve_rows(
+    dataset: Dataset, files: str | list[str] | None, name: str, prompt_key: str = "prompt"
+) -> list[dict[str, Any]]:
+    """Rows from a list of dicts (validated one by one) or from files; errors name the row and field.
+
+    `prompt_key` is `data.prompt_key`: the row field that holds the chat messages.
+    """
     if dataset is None:
-        return load_dataset_rows(files) if files else []
+        return load_dataset_rows(files, prompt_key) if files else []
     if isinstance(dataset, (str, Path)) or (dataset and isinstance(dataset[0], (str, Path))):
-        return load_dataset_rows(dataset)
-    return [validate_row(row, i, name) for i, row in enumerate(dataset)]
+        return load_dataset_rows(dataset, prompt_key)
+    return [validate_row(row, i, name, prompt_key) for i, row in enumerate(dataset)]
+
+
+def flow_problem(flow: Any) -> str | None:
+    """Why `flow` is not an AgentFlow (saying how to wrap a plain function), or None."""
+    if isinstance(flow, AgentFlow):
+        return None
+    hint = ""
+    if isinstance(flow, type) and issubclass(flow, AgentFlow):
+        hint = f"; pass an instance, {flow.__name__}(), not the class"
+    elif callable(flow):
+        hint = "; wrap an `async def fn(task, ctx)` function with @agentrl.agent_flow"
+    return f"flow must be an AgentFlow (subclass or @agent_flow function), got {type(flow).__name__}{hint}"
+
+
+def evaluator_problem(evaluator: Any) -> str | None:
+    """Why `evaluator` is not an Evaluator (saying how to wrap a plain function), or None."""
+    if isinstance(evaluator, Evaluator):
+        return None
+    hint = ""
+    if isinstance(evaluator, type) and issubclass(evaluator, Evaluator):
+        hint = f"; pass an instance, {evaluator.__name__}(), not the class"
+    elif callable(evaluator):
+        name = getattr(evaluator, "__name__", "fn")
+        hint = (
+            f"; a plain function needs wrapping: decorate it with @agentrl.evaluator "
+            f"(def {name}(task, episode) -> float | bool | EvalOutput) or pass agentrl.evaluator({name})"
+        )
+    return f"evaluator must be an Evaluator (subclass or @evaluator function), got {type(evaluator).__name__}{hint}"
+
+
+def environment_problems(config: AgentRLConfig) -> list[str]:
+    """Settings this machine cannot run (no CUDA, a model path that names nothing), each naming its key."""
+    from agentrl.models.loading import model_path_problem
+
+    problems = []
+    if config.trainer.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append(
+                f"trainer.device={config.trainer.device}: this machine has no CUDA device "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                "use trainer.device=auto or trainer.device=cpu"
+            )
+    model = config.actor_rollout_ref.model
+    paths = {
+        "actor_rollout_ref.model.path": model.path,
+        "actor_rollout_ref.model.tokenizer_path": model.tokenizer_path,
+        "critic.model.path": config.critic.model.path if config.algorithm.adv_estimator == "gae" else None,
+    }
+    problems += [p for key, path in paths.items() if path and (p := model_path_problem(path, key))]
+    return problems
 
 
 def unsupported_settings(config: AgentRLConfig) -> list[str]:
@@ -114,28 +172,29 @@ class AgentTrainer:
         train_dataset: Dataset = None,
         val_dataset: Dataset = None,
     ) -> None:
-        if not isinstance(flow, AgentFlow):
-            raise TypeError(
-                f"flow must be an AgentFlow (subclass or @agent_flow function), got {type(flow).__name__}"
-            )
-        if not isinstance(evaluator, Evaluator):
-            raise TypeError(
-                f"evaluator must be an Evaluator (subclass or @evaluator function), "
-                f"got {type(evaluator).__name__}"
-            )
+        problem = flow_problem(flow) or evaluator_problem(evaluator)
+        if problem:
+            raise TypeError(problem)
         self.flow = flow
         self.evaluator = evaluator
         self.config = resolve_config(config)
-        problems = unsupported_settings(self.config)
+        problems = unsupported_settings(self.config) + environment_problems(self.config)
         if problems:
             raise ConfigError(problems)
-        self.train_rows = resolve_rows(train_dataset, self.config.data.train_files, "train_dataset")
-        self.val_rows = resolve_rows(val_dataset, self.config.data.val_files, "val_dataset")
+        prompt_key = self.config.data.prompt_key
+        self.train_rows = resolve_rows(
+            train_dataset, self.config.data.train_files, "train_dataset", prompt_key
+        )
+        self.val_rows = resolve_rows(val_dataset, self.config.data.val_files, "val_dataset", prompt_key)
         if not self.train_rows:
-            raise ValueError("no training rows: pass train_dataset or set data.train_files")
+            raise ValueError("no training rows: train_dataset is empty and data.train_files is not set")
 
     def train(self) -> TrainResult:
-        """Run the configured training; servers and workers are stopped on return, error or Ctrl-C."""
+        """Run the configured training; servers and workers are stopped on return, error or Ctrl-C.
+
+        Ctrl-C ends the tracked run as KILLED and says where a rerun resumes; an error ends it as
+        FAILED. A run that resumes at its last step trains nothing and reports the metrics it logged.
+        """
         from agentrl.engine.controller import Controller
 
         setup_logging()
@@ -143,26 +202,59 @@ class AgentTrainer:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_resolved_config(self.config, run_dir / "config.yaml")
         controller = Controller(self.config, self.flow, self.evaluator, self.train_rows, self.val_rows)
-        failed = True
+        status = "FAILED"
         try:
             controller.setup()
             metrics = controller.train()
             checkpoint = controller.latest_checkpoint()
             export_dir = run_dir / "hf_model"
             controller.export(export_dir)
-            failed = False
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            print(_interrupted_message(controller, self.config), file=sys.stderr, flush=True)
+            raise
         finally:
-            controller.close(failed=failed)
+            controller.close(status=status)
         _plot(run_dir)
         log.info("run folder: %s (checkpoint %s, HF export %s)", run_dir, checkpoint, export_dir)
+        history = _logged_steps(run_dir)
         return TrainResult(
             run_dir=run_dir,
             global_step=controller.global_step,
-            metrics=metrics,
-            initial_val_metrics=controller.initial_val_metrics,
+            metrics=metrics or history.get(controller.global_step, {}),
+            initial_val_metrics=controller.initial_val_metrics or history.get(0, {}),
             checkpoint_dir=checkpoint,
             export_dir=export_dir,
         )
+
+
+def _interrupted_message(controller: Any, config: AgentRLConfig) -> str:
+    """What a user needs after Ctrl-C: where a rerun of the same command picks up."""
+    stopped = f"agentrl: interrupted during step {controller.global_step + 1}."
+    if config.trainer.resume_mode == "disable":
+        return f"{stopped} trainer.resume_mode=disable: a rerun starts again from step 0."
+    latest = controller.latest_checkpoint()
+    if latest is None:
+        return f"{stopped} No checkpoint was saved yet, so a rerun starts from step 0."
+    return (
+        f"{stopped} Rerun the same command to resume from the last checkpoint, {latest} "
+        "(trainer.resume_mode=auto)."
+    )
+
+
+def _logged_steps(run_dir: Path) -> dict[int, dict[str, float]]:
+    """The run's metrics history by step (non-finite values, stored as null, come back as NaN)."""
+    from agentrl.tracking import read_metrics_history
+
+    return {
+        int(record["step"]): {
+            key: float("nan") if value is None else float(value)
+            for key, value in record.items()
+            if key != "step"
+        }
+        for record in read_metrics_history(run_dir)
+    }
 
 
 def _plot(run_dir: Path) -> None:

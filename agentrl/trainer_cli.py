@@ -5,69 +5,116 @@
     agentrl sft sft.max_steps=200                             # warm start only; writes {default_local_dir}/sft_model
 
 `--config PATH` layers a YAML (which starts with `defaults: [agent_ppo_trainer, _self_]`) over the main config;
-overrides come last. The flow and evaluator come from `agent.flow` and `agent.evaluator` ("package.module:Name").
+overrides come last. The flow and evaluator come from `agent.flow` and `agent.evaluator` ("package.module:Name",
+importable from the current directory); a class is instantiated with no arguments (a `prompt_key` parameter
+gets `data.prompt_key`).
 """
 
 from __future__ import annotations
 
-import importlib
+import argparse
+import inspect
 import sys
 from typing import Any
 
-from agentrl.config import ConfigError, load_config
+from agentrl.config import AgentRLConfig, ConfigError, load_config
+from agentrl.config.loading import import_from_spec
+
+_EPILOG = """\
+examples:
+  agentrl {name} --config configs/arithmetic.yaml
+  agentrl {name} trainer.total_training_steps=20 actor_rollout_ref.rollout.n=8
+  agentrl config [same arguments]     # print the configuration this command would use
+
+Every key is listed in docs/configuration.md; a rerun with the same arguments resumes from the
+last checkpoint in trainer.default_local_dir (trainer.resume_mode=auto)."""
 
 
-def import_object(spec: str, key: str) -> Any:
-    """`package.module:Name` -> the object; a class is instantiated with no arguments."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ConfigError([f"{key}={spec!r}: expected 'package.module:Name'"])
+def import_object(spec: str, key: str, **kwargs: Any) -> Any:
+    """`package.module:Name` -> the object; a class is instantiated with those of `kwargs` it accepts."""
+    obj = import_from_spec(spec, key)
+    if not isinstance(obj, type):
+        return obj
     try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError([f"{key}={spec!r}: cannot import it ({exc})"]) from exc
-    return obj() if isinstance(obj, type) else obj
-
-
-def split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
-    """(`--config PATH` or None, the Hydra overrides)."""
-    config_path, overrides = None, []
-    args = iter(argv)
-    for arg in args:
-        if arg in ("--config", "-c"):
-            config_path = next(args, None)
-            if config_path is None:
-                raise ConfigError(["--config needs a path to a YAML file"])
-        elif arg.startswith("--config="):
-            config_path = arg.split("=", 1)[1]
-        else:
-            overrides.append(arg)
-    return config_path, overrides
-
-
-def _load(argv: list[str]):
+        accepted = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        accepted = {}
     try:
-        config_path, overrides = split_config_arg(argv)
-        config = load_config(overrides, config_path=config_path)
-        return (
-            config,
-            import_object(config.agent.flow, "agent.flow"),
-            import_object(config.agent.evaluator, "agent.evaluator"),
+        return obj(**{name: value for name, value in kwargs.items() if name in accepted})
+    except TypeError as exc:
+        raise ConfigError([f"{key}={spec!r}: cannot build {obj.__name__} with no arguments: {exc}"]) from exc
+
+
+def build_agent(config: AgentRLConfig) -> tuple[Any, Any]:
+    """The flow and evaluator `agent.flow` / `agent.evaluator` name, checked: ConfigError naming the key."""
+    from agentrl.trainer import evaluator_problem, flow_problem
+
+    flow = import_object(config.agent.flow, "agent.flow", prompt_key=config.data.prompt_key)
+    grader = import_object(config.agent.evaluator, "agent.evaluator")
+    problems = [
+        f"{key}={spec!r}: {problem}"
+        for key, spec, problem in (
+            ("agent.flow", config.agent.flow, flow_problem(flow)),
+            ("agent.evaluator", config.agent.evaluator, evaluator_problem(grader)),
         )
+        if problem
+    ]
+    if problems:
+        raise ConfigError(problems)
+    return flow, grader
+
+
+def build_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """The arguments of `agentrl train` / `agentrl sft`: a config file and Hydra overrides."""
+    parser = argparse.ArgumentParser(
+        prog=f"agentrl {name}",
+        description=description,
+        epilog=_EPILOG.format(name=name),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="Hydra overrides of the configuration, e.g. actor_rollout_ref.model.lora_rank=8",
+    )
+    parser.add_argument(
+        "-c",
+        "--config",
+        dest="config_path",
+        metavar="PATH",
+        help="a YAML layered over the main config (e.g. configs/arithmetic.yaml or a cookbook's)",
+    )
+    return parser
+
+
+def _load(name: str, description: str, argv: list[str]):
+    """(config, flow, evaluator), or an exit status: 0 after --help, 2 for bad arguments or config."""
+    try:
+        ns = build_parser(name, description).parse_intermixed_args(argv)
+    except SystemExit as exc:  # --help (0) or an argument argparse refused (2, usage printed)
+        return int(exc.code or 0)
+    try:
+        config = load_config(ns.overrides, config_path=ns.config_path)
+        flow, grader = build_agent(config)
+        return config, flow, grader
     except ConfigError as exc:
         print(f"agentrl: invalid configuration:\n{exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`agentrl train [overrides...]`."""
+    """`agentrl train [--config PATH] [overrides...]`."""
+    loaded = _load("train", "Train a policy with the agent PPO trainer.", _argv(argv))
+    if isinstance(loaded, int):
+        return loaded
     from agentrl.data import DatasetError
     from agentrl.trainer import AgentTrainer
 
-    config, flow, grader = _load(list(sys.argv[1:] if argv is None else argv))
+    config, flow, grader = loaded
     try:
         trainer = AgentTrainer(flow=flow, evaluator=grader, config=config)
-    except (DatasetError, ConfigError) as exc:
+    except (DatasetError, ConfigError, ValueError) as exc:
         print(f"agentrl: {exc}", file=sys.stderr)
         return 2
     result = trainer.train()
@@ -80,20 +127,42 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def sft_main(argv: list[str] | None = None) -> int:
-    """`agentrl sft [overrides...]`: the supervised warm start alone, saved as a Hugging Face folder."""
+    """`agentrl sft [--config PATH] [overrides...]`: the supervised warm start alone, saved as a HF folder."""
+    loaded = _load("sft", "Supervised fine-tuning warm start on data.train_files.", _argv(argv))
+    if isinstance(loaded, int):
+        return loaded
     from pathlib import Path
 
-    from agentrl.engine.policy_worker import PolicyWorker
-    from agentrl.trainer import resolve_rows, setup_logging
+    from agentrl.data import DatasetError
+    from agentrl.trainer import environment_problems, resolve_rows, setup_logging
 
-    config, _flow, _grader = _load(list(sys.argv[1:] if argv is None else argv))
+    config = loaded[0]
+    try:
+        problems = environment_problems(config)
+        if problems:
+            raise ConfigError(problems)
+        rows = resolve_rows(None, config.data.train_files, "data.train_files", config.data.prompt_key)
+    except (DatasetError, ConfigError) as exc:
+        print(f"agentrl: {exc}", file=sys.stderr)
+        return 2
+    if not rows:
+        print("agentrl: no training rows: set data.train_files", file=sys.stderr)
+        return 2
+    import torch
+
+    from agentrl.engine.policy_worker import PolicyWorker
+
     setup_logging()
-    rows = resolve_rows(None, config.data.train_files, "data.train_files")
-    worker = PolicyWorker(
-        config, total_steps=1, device="cpu" if config.trainer.device == "auto" else config.trainer.device
-    )
+    device = config.trainer.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    worker = PolicyWorker(config, total_steps=1, device=device)
     metrics = worker.warm_start(config.sft, rows)
     out = Path(config.trainer.default_local_dir) / "sft_model"
     worker.export(out)
     print(f"agentrl: SFT {metrics}; saved to {out}")
     return 0
+
+
+def _argv(argv: list[str] | None) -> list[str]:
+    return list(sys.argv[1:] if argv is None else argv)

@@ -22,7 +22,9 @@ Precedence: main YAML < the file at config_path < command-line overrides.
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,6 +90,30 @@ def load_config(overrides: Sequence[str] = (), config_path: str | os.PathLike | 
     _check_override_keys(overrides, [main_dir, search_dir])
     composed = _compose(search_dir, name, overrides)
     return validate_config(_to_container(composed))
+
+
+def import_from_spec(spec: str, key: str) -> Any:
+    """The object `package.module:Name` names (`agent.flow`, `agent.evaluator`), as written: not instantiated.
+
+    The current directory is importable, as it is for `python -m`, so `agent.flow=mymodule:Solver`
+    finds ./mymodule.py even from the `agentrl` console script. Any failure (not found, an error while
+    the module runs, no such name) is a ConfigError naming `key` and the cause.
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError([f"{key}={spec!r}: expected 'package.module:Name'"])
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or whatever the module raised while it ran
+        raise ConfigError(
+            [f"{key}={spec!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"]
+        ) from exc
+    if not hasattr(module, attr):
+        raise ConfigError([f"{key}={spec!r}: module {module_name!r} ({module.__file__}) has no {attr!r}"])
+    return getattr(module, attr)
 
 
 def validate_config(data: Mapping[str, Any]) -> AgentRLConfig:

@@ -6,10 +6,12 @@ A row is what verl users already have on disk:
      "data_source": "openai/gsm8k",                           # picks the reward function / metric name
      "reward_model": {"style": "rule", "ground_truth": "72"},
      "extra_info": {...},                                     # optional, passed through
-     "images": ["path/or/data-url", ...]}                     # optional, multi-modal rows
+     "images": ["path/or/data-url", ...],                     # optional, multi-modal rows
+     "tools": [{"type": "function", "function": {...}}]}      # optional, OpenAI tool schemas
 
-Rows are validated when loaded, so a bad file fails before any model loads, with a message that
-names the file, the row index and the field.
+The messages live under `data.prompt_key` ("prompt" unless configured otherwise). Rows are validated
+when loaded, so a bad file fails before any model loads, with a message that names the file, the row
+index and the field; a file with no rows at all is an error naming the file.
 """
 
 from __future__ import annotations
@@ -27,15 +29,23 @@ class DatasetError(ValueError):
     """A dataset file could not be read or one of its rows is malformed."""
 
 
-def load_dataset_rows(path: str | Path | Sequence[str | Path]) -> list[dict[str, Any]]:
-    """Read and validate every row of one file or a list of files (concatenated in order)."""
+def load_dataset_rows(
+    path: str | Path | Sequence[str | Path], prompt_key: str = "prompt"
+) -> list[dict[str, Any]]:
+    """Read and validate every row of one file or a list of files (concatenated in order).
+
+    An empty file is an error rather than a silently shorter dataset: it is almost always a
+    failed export or the wrong path.
+    """
     paths = [path] if isinstance(path, (str, Path)) else list(path)
     if not paths:
         raise DatasetError("no dataset files given (empty list)")
     rows: list[dict[str, Any]] = []
     for one in paths:
         file_rows = _read_file(Path(one))
-        rows.extend(validate_row(row, index, str(one)) for index, row in enumerate(file_rows))
+        if not file_rows:
+            raise DatasetError(f"{one}: the dataset file has no rows (it is empty)")
+        rows.extend(validate_row(row, index, str(one), prompt_key) for index, row in enumerate(file_rows))
     return rows
 
 
@@ -76,21 +86,31 @@ def _read_jsonl(path: Path) -> list[Any]:
     return rows
 
 
-def validate_row(row: Any, index: int, source: str) -> dict[str, Any]:
-    """Check one row; return it with `extra_info` defaulted to {} and relative image paths resolved."""
+def validate_row(row: Any, index: int, source: str, prompt_key: str = "prompt") -> dict[str, Any]:
+    """Check one row; return it with `extra_info` defaulted to {} and relative image paths resolved.
+
+    `prompt_key` (`data.prompt_key`) names the field that holds the chat messages.
+    """
 
     def fail(field: str, problem: str) -> DatasetError:
         return DatasetError(f"{source}: row {index}: field '{field}' {problem}")
 
     if not isinstance(row, dict):
         raise DatasetError(f"{source}: row {index}: expected an object, got {type(row).__name__}")
-    prompt = row.get("prompt")
+    prompt = row.get(prompt_key)
     if prompt is None:
-        raise fail("prompt", "is missing (expected a non-empty list of {role, content} messages)")
+        hint = "" if prompt_key == "prompt" else " (data.prompt_key)"
+        raise fail(prompt_key, f"is missing{hint} (expected a non-empty list of {{role, content}} messages)")
+    if isinstance(prompt, str):
+        raise fail(
+            prompt_key,
+            f"must be a non-empty list of messages, got {_describe(prompt)}; "
+            "write a plain question as [{'role': 'user', 'content': ...}]",
+        )
     if not isinstance(prompt, list) or not prompt:
-        raise fail("prompt", f"must be a non-empty list of messages, got {_describe(prompt)}")
+        raise fail(prompt_key, f"must be a non-empty list of messages, got {_describe(prompt)}")
     for i, message in enumerate(prompt):
-        _validate_message(message, f"prompt[{i}]", fail)
+        _validate_message(message, f"{prompt_key}[{i}]", fail)
     if not isinstance(row.get("data_source"), str) or not row["data_source"]:
         raise fail("data_source", f"must be a non-empty string, got {_describe(row.get('data_source'))}")
     reward_model = row.get("reward_model")
@@ -106,7 +126,23 @@ def validate_row(row: Any, index: int, source: str) -> dict[str, Any]:
     out = {**row, "extra_info": extra_info if extra_info is not None else {}}
     if row.get("images") is not None:
         out["images"] = _validate_images(row["images"], Path(source).parent, fail)
+    if row.get("tools") is not None:
+        _validate_tools(row["tools"], fail)
     return out
+
+
+def _validate_tools(tools: Any, fail) -> None:
+    """OpenAI tool schemas: `[{"type": "function", "function": {"name": ..., "parameters": {...}}}]`."""
+    if not isinstance(tools, list):
+        raise fail("tools", f"must be a list of tool schemas, got {_describe(tools)}")
+    for k, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise fail(
+                f"tools[{k}]",
+                "must be {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}, "
+                f"got {_describe(tool)}",
+            )
 
 
 def _validate_message(message: Any, field: str, fail) -> None:

@@ -364,12 +364,13 @@ class Controller:
     def export(self, folder: Path) -> None:
         self.policy.call_first("export", folder)
 
-    def close(self, failed: bool = False) -> None:
-        """Stop servers and workers and close the tracker; safe to call more than once."""
+    def close(self, status: str = "FINISHED") -> None:
+        """Stop servers and workers and end the tracked run as `status` (FINISHED, FAILED, KILLED);
+        safe to call more than once."""
         for part in (self.stack, self.policy, self.critic):
             if part is not None:
                 part.shutdown()
         self.stack = self.policy = self.critic = None
         if self.tracker is not None:
-            self.tracker.finish(status="FAILED" if failed else "FINISHED")
+            self.tracker.finish(status=status)
             self.tracker = None

@@ -6,9 +6,14 @@ are all loaded the same way (`from_pretrained` on a folder); nothing here is tin
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
-from agentrl.models.tiny import resolve_model_path
+from agentrl.models.tiny import TINY_PREFIX, resolve_model_path
+
+# A Hugging Face repo id: `name` or `namespace/name`, word characters, '.' and '-', at most 96 long.
+_HUB_ID_RE = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -21,10 +26,34 @@ def _to_torch_dtype(dtype: str):
     return getattr(torch, dtype)
 
 
+def model_path_problem(path: str, key: str) -> str | None:
+    """Why `path` (the value of config key `key`) cannot name a model, or None when it can.
+
+    A `tiny:` preset, an existing folder and anything shaped like a hub id (`org/name`) pass; a
+    path that does not exist and cannot be a hub id (absolute, `./`, `~`, several slashes) fails
+    here with the key named, instead of later with transformers' "Repo id must be in the form".
+    """
+    if path.startswith(TINY_PREFIX) or Path(path).expanduser().exists():
+        return None
+    if _HUB_ID_RE.match(path) and ".." not in path and "--" not in path:
+        return None
+    return (
+        f"{key}={path!r}: no such file or folder, and not a Hugging Face model id "
+        "(such as 'Qwen/Qwen2.5-0.5B-Instruct'); give an existing model folder, a hub id or tiny:<preset>"
+    )
+
+
+def _check_path(path: str) -> None:
+    problem = model_path_problem(path, "model path")
+    if problem is not None:
+        raise FileNotFoundError(problem)
+
+
 def load_tokenizer(path: str, **kwargs: Any):
     """`AutoTokenizer.from_pretrained` on the resolved path (fast tokenizer, with its chat template)."""
     from transformers import AutoTokenizer
 
+    _check_path(path)
     return AutoTokenizer.from_pretrained(resolve_model_path(path), **kwargs)
 
 
@@ -40,6 +69,7 @@ def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu", **kwa
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    _check_path(path)
     resolved = resolve_model_path(path)
     config = AutoConfig.from_pretrained(resolved, trust_remote_code=kwargs.get("trust_remote_code", False))
     auto_cls = AutoModelForImageTextToText if _is_vision_language(config) else AutoModelForCausalLM
@@ -55,6 +85,7 @@ def load_processor(path: str, **kwargs: Any):
     """
     from transformers import AutoConfig, AutoProcessor
 
+    _check_path(path)
     resolved = resolve_model_path(path)
     try:
         return AutoProcessor.from_pretrained(resolved, **kwargs)

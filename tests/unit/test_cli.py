@@ -149,3 +149,87 @@ def test_config_error_from_any_subcommand_exits_2(commands, capsys):
     )
     assert cli.main(["cfg", "tranier.seed=1"]) == 2
     assert "did you mean trainer.seed?" in capsys.readouterr().err
+
+
+# ---- as a user runs it: the console script, from their own folder --------------------------------------
+
+
+def _agentrl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    script = Path(sys.executable).parent / "agentrl"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "agentrl.cli"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize(("command", "flag"), [("train", "--help"), ("sft", "-h")])
+def test_train_and_sft_print_their_usage(tmp_path, command, flag):
+    result = _agentrl(command, flag, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: agentrl {command} [-h] [-c PATH] [key=value ...]")
+    assert "--config PATH" in result.stdout and "Hydra overrides" in result.stdout
+    assert not any(tmp_path.iterdir())  # nothing ran
+
+
+MY_MODULE = """
+from agentrl import AgentFlow
+
+
+class Solver(AgentFlow):
+    async def run(self, task, ctx):
+        return "4"
+
+
+def exact(task, episode):
+    return 1.0
+"""
+
+
+def test_a_flow_in_the_current_folder_imports(tmp_path):
+    (tmp_path / "mymodule.py").write_text(MY_MODULE)
+    result = _agentrl("config", "agent.flow=mymodule:Solver", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "flow: mymodule:Solver" in result.stdout
+
+
+def test_config_refuses_a_flow_that_does_not_import(tmp_path):
+    (tmp_path / "broken.py").write_text("import no_such_dependency_xyz\n")
+    result = _agentrl("config", "agent.flow=broken:Solver", cwd=tmp_path)
+    assert result.returncode == 2
+    assert (
+        "agent.flow='broken:Solver': cannot import module 'broken': "
+        "ModuleNotFoundError: No module named 'no_such_dependency_xyz'" in result.stderr
+    )
+    (tmp_path / "mymodule.py").write_text(MY_MODULE)
+    result = _agentrl("config", "agent.flow=mymodule:Solvr", cwd=tmp_path)
+    assert result.returncode == 2 and "has no 'Solvr'" in result.stderr
+
+
+def test_a_plain_function_evaluator_is_refused_with_how_to_wrap_it(tmp_path):
+    (tmp_path / "mymodule.py").write_text(MY_MODULE)
+    result = _agentrl("train", "agent.evaluator=mymodule:exact", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "agent.evaluator='mymodule:exact': evaluator must be an Evaluator" in result.stderr
+    assert "decorate it with @agentrl.evaluator" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_train_names_an_empty_data_file(tmp_path):
+    (tmp_path / "train.jsonl").write_text("")
+    result = _agentrl(
+        "train", "data.train_files=train.jsonl", f"trainer.default_local_dir={tmp_path}/o", cwd=tmp_path
+    )
+    assert result.returncode == 2
+    assert "train.jsonl: the dataset file has no rows" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_train_names_bad_device_and_model_path(tmp_path):
+    result = _agentrl(
+        "train", "actor_rollout_ref.model.path=/no/such/model", "trainer.device=cuda", cwd=tmp_path
+    )
+    assert result.returncode == 2
+    assert "actor_rollout_ref.model.path='/no/such/model': no such file or folder" in result.stderr
+    assert "Traceback" not in result.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "trainer.device=cuda: this machine has no CUDA device" in result.stderr

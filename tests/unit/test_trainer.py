@@ -1,9 +1,12 @@
 """AgentTrainer checks everything it can before any model loads."""
 
 import pytest
+import torch
 
-from agentrl import AgentTrainer, MathAnswerMatch, SingleTurnChatFlow
+from agentrl import AgentTrainer, Evaluator, MathAnswerMatch, SingleTurnChatFlow, evaluator
 from agentrl.config import ConfigError
+from agentrl.data import DatasetError
+from agentrl.models.loading import load_tokenizer, model_path_problem
 
 ROW = {
     "data_source": "toy",
@@ -46,3 +49,61 @@ def test_settings_this_version_cannot_honour_are_refused_together(tmp_path):
     assert "actor_rollout_ref.actor.fsdp_config.param_offload=true" in message
     assert "actor_rollout_ref.hybrid_engine=false" in message
     assert not any(tmp_path.iterdir())
+
+
+def _trainer(tmp_path, overrides=(), **kwargs):
+    kwargs.setdefault("flow", SingleTurnChatFlow())
+    kwargs.setdefault("evaluator", MathAnswerMatch())
+    return AgentTrainer(config=[f"trainer.default_local_dir={tmp_path}", *overrides], **kwargs)
+
+
+def test_an_empty_train_file_is_named(tmp_path):
+    empty = tmp_path / "train.jsonl"
+    empty.write_text("")
+    with pytest.raises(DatasetError, match=rf"{empty}: the dataset file has no rows"):
+        _trainer(tmp_path, [f"data.train_files={empty}"])
+
+
+def test_prompt_key_is_used_by_the_row_check(tmp_path):
+    row = {**ROW, "question": ROW["prompt"]}
+    del row["prompt"]
+    trainer = _trainer(tmp_path, ["data.prompt_key=question"], train_dataset=[row], val_dataset=[row])
+    assert trainer.train_rows[0]["question"] == ROW["prompt"]
+    with pytest.raises(DatasetError, match="train_dataset: row 0: field 'prompt' is missing"):
+        _trainer(tmp_path, train_dataset=[row])
+
+
+def test_a_plain_function_evaluator_is_refused_with_how_to_wrap_it(tmp_path):
+    def exact(task, episode):
+        return 1.0
+
+    with pytest.raises(TypeError, match=r"@agentrl.evaluator .*agentrl.evaluator\(exact\)"):
+        _trainer(tmp_path, evaluator=exact, train_dataset=[ROW])
+    with pytest.raises(TypeError, match=r"pass an instance, MathAnswerMatch\(\), not the class"):
+        _trainer(tmp_path, evaluator=MathAnswerMatch, train_dataset=[ROW])
+    wrapped = _trainer(tmp_path, evaluator=evaluator(exact), train_dataset=[ROW])
+    assert isinstance(wrapped.evaluator, Evaluator)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="trainer.device=cuda: this machine has no CUDA device"):
+        _trainer(tmp_path, ["trainer.device=cuda"], train_dataset=[ROW])
+
+
+def test_a_model_path_that_names_nothing_is_a_config_error(tmp_path):
+    missing = str(tmp_path / "models" / "qwen")
+    with pytest.raises(
+        ConfigError, match=rf"actor_rollout_ref.model.path='{missing}': no such file or folder"
+    ):
+        _trainer(tmp_path, [f"actor_rollout_ref.model.path={missing}"], train_dataset=[ROW])
+    # Hub ids and existing folders pass the check (nothing is downloaded here).
+    assert model_path_problem("Qwen/Qwen2.5-0.5B-Instruct", "k") is None
+    assert model_path_problem("gpt2", "k") is None
+    assert model_path_problem(str(tmp_path), "k") is None
+    assert model_path_problem("./my-model", "k") is not None
+
+
+def test_loading_a_missing_model_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        load_tokenizer(str(tmp_path / "nothing"))

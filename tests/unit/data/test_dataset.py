@@ -67,6 +67,9 @@ def test_extra_info_defaults_to_empty_dict_and_blank_lines_are_skipped(tmp_path)
         (make_row(extra_info=[1]), "extra_info", "must be an object"),
         (make_row(images="x.png"), "images", "must be a list"),
         (make_row(images=[3]), r"images\[0\]", "path, URL"),
+        (make_row(prompt="What is 1+1?"), "prompt", r"str 'What.*\[\{'role': 'user'"),
+        (make_row(tools={"name": "add"}), "tools", "must be a list of tool schemas"),
+        (make_row(tools=[{"type": "function", "function": {}}]), r"tools\[0\]", "'name'"),
     ],
 )
 def test_malformed_row_names_file_row_and_field(tmp_path, bad_row, field, problem):
@@ -113,3 +116,33 @@ def test_multimodal_rows_keep_images_and_resolve_relative_paths(tmp_path):
     [loaded] = load_dataset_rows(write_jsonl(tmp_path / "mm" / "rows.jsonl", [row]))
     assert loaded["images"] == [str(tmp_path / "mm" / "img" / "a.png"), data_url, "/abs/b.png"]
     assert loaded["prompt"][0]["content"] == parts
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_an_empty_file_is_an_error_naming_the_file(tmp_path, suffix):
+    path = tmp_path / f"train{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("\n")
+    elif suffix == ".json":
+        path.write_text("[]")
+    else:
+        pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), path)
+    with pytest.raises(DatasetError, match=rf"{path}: the dataset file has no rows"):
+        load_dataset_rows([write_jsonl(tmp_path / "ok.jsonl", [make_row()]), path])
+
+
+def test_prompt_key_names_the_messages_field(tmp_path):
+    row = make_row()
+    row["question"] = row.pop("prompt")
+    path = write_jsonl(tmp_path / "q.jsonl", [row])
+    assert load_dataset_rows(path, prompt_key="question") == [row]
+    with pytest.raises(DatasetError, match=r"row 0: field 'prompt' is missing"):
+        load_dataset_rows(path)
+    with pytest.raises(DatasetError, match=r"row 0: field 'question' is missing \(data.prompt_key\)"):
+        load_dataset_rows(write_jsonl(tmp_path / "p.jsonl", [make_row()]), prompt_key="question")
+
+
+def test_rows_keep_their_tool_schemas(tmp_path):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    [loaded] = load_dataset_rows(write_jsonl(tmp_path / "t.jsonl", [make_row(tools=tools)]))
+    assert loaded["tools"] == tools
