@@ -2,7 +2,9 @@
 
 A tiny model starts RL with zero reward on most tasks, and GRPO learns nothing from groups that all fail.
 A short SFT pass on the training rows' reference responses (`extra_info.response`, else the ground truth)
-gives it a non-zero start. Tokens are rendered with the same chat template the engine serves.
+gives it a non-zero start. Prompts are rendered exactly as the gateway renders them (`render_chat`, the
+model's chat template), including a row's `tools` schema: a model warm-started on tool calls then sees
+the same tool preamble at RL time, when the flow passes `tools=`. A progress bar counts the steps.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 import torch
 
 from agentrl.engine.optim import build_optimizer
+from agentrl.rollout.chat import render_chat
+from agentrl.tracking import progress_bar
 
 
 def reference_response(row: dict[str, Any]) -> str:
@@ -27,13 +31,12 @@ def reference_response(row: dict[str, Any]) -> str:
 def build_sft_examples(
     tokenizer: Any, rows: Sequence[dict[str, Any]], prompt_key: str = "prompt"
 ) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, loss_mask) per row: the chat prompt, then the response and the end-of-turn token."""
+    """(input_ids, loss_mask) per row: the chat prompt (with the row's `tools`, if any), then the
+    response and the end-of-turn token."""
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     examples = []
     for row in rows:
-        prompt = tokenizer.apply_chat_template(row[prompt_key], add_generation_prompt=True, tokenize=True)
-        if isinstance(prompt, dict) or hasattr(prompt, "input_ids"):
-            prompt = prompt["input_ids"]
+        prompt = render_chat(tokenizer, row[prompt_key], tools=row.get("tools"))
         response = tokenizer.encode(reference_response(row), add_special_tokens=False) + [end_of_turn]
         examples.append((list(prompt) + response, [0] * len(prompt) + [1] * len(response)))
     return examples
@@ -54,15 +57,17 @@ def run_sft(
     device = next(model.parameters()).device
     optimizer = build_optimizer(model.parameters(), _SFTOptim(sft.lr))
     rng = random.Random(seed)
-    model.train()
-    losses: list[float] = []
-    step = 0
+    batches: list[list[int]] = []
     for _ in range(sft.epochs):
         order = list(range(len(examples)))
         rng.shuffle(order)
-        for start in range(0, len(order), sft.batch_size):
-            chunk = [examples[i] for i in order[start : start + sft.batch_size]]
-            input_ids, labels, attention = _pad(chunk, pad_token_id)
+        batches += [order[start : start + sft.batch_size] for start in range(0, len(order), sft.batch_size)]
+    batches = batches[: sft.max_steps] if sft.max_steps is not None else batches
+    model.train()
+    losses: list[float] = []
+    with progress_bar("sft", len(batches)) as bar:
+        for batch in batches:
+            input_ids, labels, attention = _pad([examples[i] for i in batch], pad_token_id)
             out = model(
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),
@@ -74,10 +79,9 @@ def run_sft(
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             losses.append(out.loss.item())
-            step += 1
-            if sft.max_steps is not None and step >= sft.max_steps:
-                return _summary(losses, step)
-    return _summary(losses, step)
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    return _summary(losses, len(losses))
 
 
 class _SFTOptim:

@@ -78,3 +78,48 @@ def test_a_few_sft_steps_lower_the_loss(model_path, tokenizer, rows):
     assert metrics["sft/steps"] == 12  # max_steps stops before the 20 steps of 10 epochs
     assert metrics["sft/final_loss"] < metrics["sft/first_loss"]
     assert after < 0.7 * before, (before, after)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            },
+        },
+    }
+]
+
+
+def test_a_row_with_tools_renders_the_prompt_the_gateway_renders(tokenizer, rows):
+    from agentrl.rollout.chat import render_chat
+
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    row = {**rows[0], "tools": TOOLS, "extra_info": {"response": call}}
+    [(with_tools, mask)] = build_sft_examples(tokenizer, [row])
+    [(without_tools, _)] = build_sft_examples(tokenizer, [{**row, "tools": None}])
+
+    first = mask.index(1)
+    assert with_tools[:first] == render_chat(tokenizer, row["prompt"], tools=TOOLS)  # what RL will see
+    prompt_text = tokenizer.decode(with_tools[:first])
+    assert "<tools>" in prompt_text and '"name": "add"' in prompt_text
+    assert "<tools>" not in tokenizer.decode(without_tools)
+    assert tokenizer.decode(with_tools[first:]) == call + "<|im_end|>"
+
+
+def test_the_warm_start_shows_a_progress_bar(model_path, tokenizer, rows, capsys, monkeypatch):
+    monkeypatch.setenv("AGENTRL_PROGRESS", "1")
+    run_sft(
+        load_causal_lm(model_path),
+        tokenizer,
+        rows,
+        SFTConfig(lr=1e-3, batch_size=4, epochs=5, max_steps=3),
+        seed=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    err = capsys.readouterr().err
+    assert "sft: 100%" in err and "3/3" in err and "loss=" in err
