@@ -131,7 +131,7 @@ def _check_resume(cfg: AgentRLConfig) -> list[str]:
 
 
 def _check_stepwise(cfg: AgentRLConfig) -> list[str]:
-    """agent.stepwise_advantage: mode/normalize_by_steps need enable=true; normalize_by_steps needs per_step."""
+    """agent.stepwise_advantage: mode/normalize_by_steps need enable=true; normalize_by_steps needs mode=broadcast (as in rLLM)."""
     sw = cfg.agent.stepwise_advantage
     problems = []
     if not sw.enable and (sw.mode != "broadcast" or sw.normalize_by_steps):
@@ -140,10 +140,11 @@ def _check_stepwise(cfg: AgentRLConfig) -> list[str]:
             f"agent.stepwise_advantage.{changed} has no effect while agent.stepwise_advantage.enable=false; "
             f"set agent.stepwise_advantage.enable=true"
         )
-    elif sw.normalize_by_steps and sw.mode != "per_step":
+    elif sw.normalize_by_steps and sw.mode != "broadcast":
         problems.append(
-            f"agent.stepwise_advantage.normalize_by_steps=true only applies to mode=per_step (got mode={sw.mode}); "
-            f"set agent.stepwise_advantage.mode=per_step or normalize_by_steps=false"
+            f"agent.stepwise_advantage.normalize_by_steps=true only applies to mode=broadcast, where it divides a "
+            f"trajectory's advantage by its number of steps (got mode={sw.mode}); "
+            f"set agent.stepwise_advantage.mode=broadcast or normalize_by_steps=false"
         )
     return problems
 

@@ -123,7 +123,7 @@ class StepwiseAdvantageConfig(_Section):
     mode: Literal["broadcast", "per_step"] = "broadcast"
     """`broadcast` gives every step the trajectory's advantage; `per_step` scores each step itself."""
     normalize_by_steps: bool = False
-    """Divide per-step advantages by the number of steps (per_step mode)."""
+    """Divide a trajectory's advantage by its number of steps (broadcast mode, as in rLLM)."""
 
 
 class RejectionSampleConfig(_Section):

@@ -29,7 +29,9 @@ class TrainingRow:
     trajectory_key: str
     """Rows of one trajectory share it (step-wise broadcast gives them one advantage)."""
     step_index: int = 0
+    """Index, in its trajectory's `steps`, of the row's first step (excluded steps keep their place)."""
     num_steps_in_trajectory: int = 1
+    """Trainable steps of the row's trajectory (excluded ones not counted)."""
     episode_index: int = 0
 
 
@@ -62,9 +64,9 @@ class TrainBatch:
     trajectory_ids: torch.Tensor
     """(B,) long: rows of one trajectory."""
     step_index: torch.Tensor
-    """(B,) long: position of the row's first step in its trajectory."""
+    """(B,) long: index of the row's first step in its trajectory (excluded steps keep their place)."""
     num_steps: torch.Tensor
-    """(B,) long: steps in the row's trajectory."""
+    """(B,) long: trainable steps in the row's trajectory (not rows: merged steps count one each)."""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     """Filled by the loop: old_log_probs, ref_log_probs, values, advantages, returns."""
 
@@ -117,12 +119,16 @@ def episodes_to_rows(
             for step in trajectory.steps:
                 if len(step.logprobs) != len(step.response_ids):
                     step.info["excluded"] = "logprob_count_mismatch"
-            steps = [s for s in trajectory.steps if s.response_ids and "excluded" not in s.info]
+            # Keep each step's index in the trajectory: an excluded step must not shift the positions
+            # that per_step compares across sibling trajectories.
+            steps = [
+                (i, s) for i, s in enumerate(trajectory.steps) if s.response_ids and "excluded" not in s.info
+            ]
             stats.excluded_steps += len(trajectory.steps) - len(steps)
             reward = trajectory.reward if trajectory.reward is not None else episode.reward
             traj_key = f"{episode.id}/{trajectory.name}"
             current: TrainingRow | None = None
-            for s_index, step in enumerate(steps):
+            for k, (s_index, step) in enumerate(steps):
                 context = current.input_ids if current is not None else None
                 if merge_steps and context is not None and step.prompt_ids[: len(context)] == context:
                     observation = step.prompt_ids[len(context) :]
@@ -135,7 +141,7 @@ def episodes_to_rows(
                     input_ids=list(step.prompt_ids) + list(step.response_ids),
                     loss_mask=[0] * len(step.prompt_ids) + [1] * len(step.response_ids),
                     rollout_logprobs=[0.0] * len(step.prompt_ids) + list(step.logprobs),
-                    reward=reward if merge_steps else _step_reward(step.reward, reward, s_index, len(steps)),
+                    reward=reward if merge_steps else _step_reward(step.reward, reward, k, len(steps)),
                     group_key=f"{episode.task_id}/{trajectory.name}",
                     trajectory_key=traj_key,
                     step_index=s_index,

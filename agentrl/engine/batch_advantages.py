@@ -1,10 +1,12 @@
 """Advantages for an assembled batch: token-level estimators on rows, or step-wise over trajectories.
 
-- step-wise off: the estimator runs on rows, token by token (`gae` with critic values; `grpo`/`rloo` compare
-  rows of the same task; `reinforce`/`reinforce_plus_plus` discount with `algorithm.gamma`).
+- step-wise off: the estimator runs on rows, token by token (`gae` with critic values; `reinforce`/
+  `reinforce_plus_plus` discount with `algorithm.gamma`). The group estimators (`grpo`, `rloo`,
+  `reinforce_plus_plus_baseline`) compare trajectories, not rows: a trajectory split into several rows
+  counts once in its task's group and every one of its rows gets its advantage.
 - `broadcast`: one advantage per trajectory from its reward, compared across the task's trajectories, copied
-  to every row (step) of the trajectory.
-- `per_step`: each step is a sample compared with the same step of its sibling trajectories.
+  to every row (step) of the trajectory; `normalize_by_steps` divides it by the trajectory's step count.
+- `per_step`: each step is a sample compared with the step at the same index of its sibling trajectories.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ def compute_batch_advantages(
             gamma=gamma,
             lam=lam,
             norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+            sample_ids=batch.trajectory_ids,
+        )
+    if normalize_by_steps and stepwise_mode != "broadcast":
+        raise ValueError(
+            f"agent.stepwise_advantage.normalize_by_steps=true needs mode=broadcast (got {stepwise_mode!r})"
         )
     row_scores = (batch.token_rewards * mask).sum(dim=1)
     traj_ids = batch.trajectory_ids
@@ -56,6 +63,7 @@ def compute_batch_advantages(
             estimator=estimator,
             norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
             normalize_by_steps=normalize_by_steps,
+            traj_num_steps=batch.num_steps[first_row],
         )
     elif stepwise_mode == "per_step":
         result = compute_per_step_advantages(
@@ -65,7 +73,7 @@ def compute_batch_advantages(
             estimator=estimator,
             gamma=gamma,
             norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-            normalize_by_steps=normalize_by_steps,
+            step_positions=batch.step_index,
         )
     else:
         raise ValueError(f"agent.stepwise_advantage.mode={stepwise_mode!r}; allowed: broadcast, per_step")

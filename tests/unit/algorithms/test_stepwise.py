@@ -80,10 +80,28 @@ def test_per_step_hand_computed():
     expected = torch.tensor([0.0, -S, 1.0, -1.0, 1.0, S, 0.0, S, 0.0, -S])
     torch.testing.assert_close(res.advantages, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(res.returns, torch.tensor([1.0, 1.0, 1.0, 0.0, 2.0, 2.0, 1.0, 1.0, 1.0, 0.5]))
-    # normalize_by_steps divides by the step counts [3, 1, 2, 2, 2]
-    res = compute_per_step_advantages(rewards, STEP_TRAJ, TRAJ_GROUPS, gamma=1.0, normalize_by_steps=True)
-    expected = torch.tensor([0.0, -S / 3, 1 / 3, -1.0, 0.5, S / 2, 0.0, S / 2, 0.0, -S / 2])
-    torch.testing.assert_close(res.advantages, expected, atol=1e-5, rtol=0)
+
+
+def test_per_step_positions_given_keep_their_place():
+    # Trajectory 0 kept steps 0 and 2 (step 1 was excluded), trajectory 1 kept 0, 1, 2; one task.
+    index, groups = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([0, 0])
+    counted = build_per_step_group_ids(index, groups).tolist()
+    given = build_per_step_group_ids(index, groups, torch.tensor([0, 2, 0, 1, 2])).tolist()
+    assert counted[1] == counted[3]  # counted positions pair trajectory 0's step 2 with step 1
+    assert given[1] == given[4] and given[3] not in (given[0], given[1])
+    with pytest.raises(ValueError, match="step_positions has shape"):
+        build_per_step_group_ids(index, groups, torch.tensor([0, 1]))
+
+
+def test_broadcast_normalize_by_steps_uses_given_step_counts():
+    # two rows of trajectory 0 that hold 3 steps in all: divide by 3, not by the 2 rows
+    adv = broadcast_advantages(
+        torch.tensor([3.0, -6.0]),
+        torch.tensor([0, 0, 1]),
+        normalize_by_steps=True,
+        traj_num_steps=torch.tensor([3, 2]),
+    )
+    assert adv.tolist() == [1.0, 1.0, -3.0]
 
 
 def test_per_step_with_reinforce_uses_returns():

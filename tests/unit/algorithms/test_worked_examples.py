@@ -13,8 +13,102 @@ import pytest
 import torch
 
 from agentrl.algorithms import compute_advantages
+from agentrl.engine.assembly import episodes_to_rows, rows_to_batch
+from agentrl.engine.batch_advantages import compute_batch_advantages
+from agentrl.types import Episode, Step, Trajectory
 
 S2 = 1 / math.sqrt(2)
+S3 = 1 / math.sqrt(3)
+EPS = 1e-6
+
+
+def _step(prompt: list[int], response: list[int], **info) -> Step:
+    return Step(prompt_ids=prompt, response_ids=response, logprobs=[-0.5] * len(response), info=info)
+
+
+def _episode(name: str, steps: list[Step], reward: float, task: str = "t0") -> Episode:
+    return Episode(
+        id=f"{task}:{name}", task_id=task, reward=reward, trajectories=[Trajectory(name="agent", steps=steps)]
+    )
+
+
+def _row_advantages(episodes, *, merge_steps=True, **options) -> list[float]:
+    """Assemble the episodes and return the one advantage each row carries on its response tokens."""
+    rows, _ = episodes_to_rows(episodes, merge_steps=merge_steps)
+    batch = rows_to_batch(rows, pad_token_id=0)
+    defaults = dict(estimator="grpo", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True)
+    result = compute_batch_advantages(batch, **(defaults | options))
+    per_row = [result.advantages[i][batch.response_mask[i]].unique() for i in range(len(batch))]
+    assert all(v.numel() == 1 for v in per_row)
+    return [float(v) for v in per_row]
+
+
+def test_case1_a_trajectory_weighs_once_in_its_group_whatever_its_rows():
+    """Step-wise off (the default): GRPO compares trajectories, then gives each row its trajectory's advantage.
+
+    One task. Trajectory a (reward 1) has 2 steps; the second prompt does not extend the first, so a
+    is split into 2 rows. Trajectory b (reward 0) has 1 step, 1 row.
+        per trajectory: scores [1, 0], mean 0.5, unbiased std sqrt(0.5) = 0.7071
+                        A_a = 0.5 / 0.7071 = +0.7071 (on both rows of a), A_b = -0.7071
+        per row (the old behaviour): scores [1, 1, 0], mean 2/3, std sqrt(1/3) = 0.5774
+                        -> a +0.577 per row, b -1.155, so a long trajectory tilted the group
+    """
+    a = _episode("a", [_step([1, 2], [3]), _step([9, 9], [4])], reward=1.0)
+    b = _episode("b", [_step([1, 2], [5])], reward=0.0)
+    assert _row_advantages([a, b]) == pytest.approx([S2, S2, -S2], abs=1e-5)
+    # rloo and reinforce_plus_plus_baseline count a once as well: rloo 2/1 * (1 - 0.5) = +1 and -1
+    assert _row_advantages([a, b], estimator="rloo") == pytest.approx([1.0, 1.0, -1.0])
+
+
+def test_case2_normalize_by_steps_divides_broadcast_by_the_step_count():
+    """`broadcast` + `normalize_by_steps` (rLLM): A_step = A_traj / K, K = the trajectory's steps (not rows).
+
+    One task. Trajectory a (reward 1) has 2 steps; the second prompt extends the first, so both
+    steps merge into 1 row. Trajectory b (reward 0) has 1 step.
+        A_traj: +0.7071 (a), -0.7071 (b)            (GRPO over [1, 0], as in case 1)
+        a: K = 2 steps -> 0.7071 / 2 = +0.3536       (dividing by its 1 row would leave 0.7071)
+        b: K = 1       -> -0.7071
+    per_step + normalize_by_steps is refused at config time (see test_checks).
+    """
+    a = _episode("a", [_step([1, 2], [3]), _step([1, 2, 3, 7], [4])], reward=1.0)
+    b = _episode("b", [_step([1, 2], [5])], reward=0.0)
+    options = dict(stepwise_mode="broadcast", normalize_by_steps=True)
+    assert _row_advantages([a, b], **options) == pytest.approx([S2 / 2, -S2], abs=1e-5)
+
+
+def test_case3_per_step_lone_positions_keep_their_return():
+    """`per_step`: a position only one trajectory reached is a group of one, which verl scores as itself.
+
+    gamma 1, one task. A has 1 step (reward 0), B has 3 steps (reward 1, on its last step).
+        returns: A [0]; B [1, 1, 1]
+        position 0: [0 (A), 1 (B)] -> -0.7071, +0.7071
+        positions 1 and 2: B alone -> mean 0, std 1 -> 1 / (1 + 1e-6)  (it was 0 before: B's
+        answering step learned nothing)
+    """
+    a = _episode("A", [_step([1], [2])], reward=0.0)
+    b = _episode("B", [_step([1], [2]), _step([1, 2, 3], [4]), _step([1, 2, 3, 4, 5], [6])], reward=1.0)
+    advantages = _row_advantages([a, b], merge_steps=False, stepwise_mode="per_step")
+    assert advantages == pytest.approx([-S2, S2, 1 / (1 + EPS), 1 / (1 + EPS)], abs=1e-5)
+
+
+def test_case3_per_step_positions_do_not_shift_when_a_step_is_excluded():
+    """Positions come from the step's index in its trajectory, not from the count of kept rows.
+
+    gamma 1, one task, three trajectories of 3 steps. C (reward 1) lost step 1 (trace mismatch);
+    D (reward 0) and E (reward 1) kept all. Returns: C [1, -, 1]; D [0, 0, 0]; E [1, 1, 1].
+        position 0: C 1, D 0, E 1: mean 2/3, std sqrt(1/3) -> C +0.5774, D -1.1547, E +0.5774
+        position 1: D 0, E 1                 -> D -0.7071, E +0.7071
+        position 2: C 1, D 0, E 1            -> C +0.5774, D -1.1547, E +0.5774
+    Counting kept rows instead would put C's step 2 at position 1 and give D's step 1 -1.1547.
+    """
+    steps = [_step([1], [2]), _step([1, 2, 3], [4]), _step([1, 2, 3, 4, 5], [6])]
+    c_steps = [steps[0], steps[1].model_copy(update={"info": {"excluded": "trace_mismatch"}}), steps[2]]
+    c = _episode("C", c_steps, reward=1.0)
+    d = _episode("D", list(steps), reward=0.0)
+    e = _episode("E", list(steps), reward=1.0)
+    advantages = _row_advantages([c, d, e], merge_steps=False, stepwise_mode="per_step")
+    expected = [S3, S3, -2 * S3, -S2, -2 * S3, S3, S2, S3]  # rows: C0 C2 D0 D1 D2 E0 E1 E2
+    assert advantages == pytest.approx(expected, abs=1e-5)
 
 
 def test_case8_reinforce_plus_plus_baseline_subtracts_group_mean_then_whitens_over_tokens():

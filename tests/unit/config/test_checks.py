@@ -61,8 +61,15 @@ from agentrl.config import validate_config
             ["agent.stepwise_advantage.mode=per_step has no effect", "enable=true"],
         ),
         (
-            {"agent.stepwise_advantage.enable": True, "agent.stepwise_advantage.normalize_by_steps": True},
-            ["agent.stepwise_advantage.normalize_by_steps=true only applies to mode=per_step"],
+            {
+                "agent.stepwise_advantage.enable": True,
+                "agent.stepwise_advantage.mode": "per_step",
+                "agent.stepwise_advantage.normalize_by_steps": True,
+            },
+            [
+                "agent.stepwise_advantage.normalize_by_steps=true only applies to mode=broadcast",
+                "mode=per_step",
+            ],
         ),
         (
             {"actor_rollout_ref.rollout.max_model_len": 300},
@@ -119,7 +126,7 @@ def test_broken_rule_names_keys_and_fix(problems_for, dotted, fragments):
         {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": "ckpt/global_step_3"},
         {
             "agent.stepwise_advantage.enable": True,
-            "agent.stepwise_advantage.mode": "per_step",
+            "agent.stepwise_advantage.mode": "broadcast",
             "agent.stepwise_advantage.normalize_by_steps": True,
         },
         {"trainer.backend": "ray", "trainer.n_gpus_per_node": 2, "resource_pool_config.critic_gpus": 2},

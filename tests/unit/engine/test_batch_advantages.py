@@ -13,7 +13,15 @@ from agentrl.engine.batch_advantages import compute_batch_advantages
 A = 1 / math.sqrt(2)  # (1 - 0.5) / std([1, 0]) with the unbiased std sqrt(0.5)
 
 
-def _row(reward: float, group: str, traj: str, prompt_len: int = 2, response_len: int = 2) -> TrainingRow:
+def _row(
+    reward: float,
+    group: str,
+    traj: str,
+    prompt_len: int = 2,
+    response_len: int = 2,
+    steps: int = 1,
+    index: int = 0,
+) -> TrainingRow:
     n = prompt_len + response_len
     return TrainingRow(
         input_ids=list(range(1, n + 1)),
@@ -22,6 +30,8 @@ def _row(reward: float, group: str, traj: str, prompt_len: int = 2, response_len
         reward=reward,
         group_key=group,
         trajectory_key=traj,
+        num_steps_in_trajectory=steps,
+        step_index=index,
     )
 
 
@@ -68,17 +78,28 @@ def test_broadcast_gives_every_row_of_a_trajectory_the_same_advantage():
     assert (result.advantages[~batch.response_mask] == 0).all()
 
 
-def test_broadcast_normalize_by_steps_divides_by_the_trajectory_row_count():
-    rows = [_row(1.0, "t0", "a"), _row(1.0, "t0", "a"), _row(0.0, "t0", "b")]
+def test_broadcast_normalize_by_steps_divides_by_the_trajectory_step_count():
+    # a: 2 rows holding 3 steps -> A / 3 on both rows; b: 1 row, 1 step -> -A
+    rows = [_row(1.0, "t0", "a", steps=3), _row(1.0, "t0", "a", steps=3), _row(0.0, "t0", "b")]
     _, result = _advantages(rows, stepwise_mode="broadcast", normalize_by_steps=True)
-    assert result.advantages[:, -1].tolist() == pytest.approx([A / 2, A / 2, -A], abs=1e-5)
+    assert result.advantages[:, -1].tolist() == pytest.approx([A / 3, A / 3, -A], abs=1e-5)
+
+
+def test_normalize_by_steps_outside_broadcast_is_an_error_naming_the_key():
+    with pytest.raises(ValueError, match="normalize_by_steps=true needs mode=broadcast"):
+        _advantages([_row(1.0, "t0", "a")], stepwise_mode="per_step", normalize_by_steps=True)
 
 
 def test_per_step_groups_steps_by_their_position():
     # Two trajectories of one task, two steps each (one row per step), gamma 0.5:
     #   a: rewards [0, 1] -> returns [0.5, 1];  b: rewards [1, 0] -> returns [1, 0].
     # Step 0 compares 0.5 with 1, step 1 compares 1 with 0: each pair gives -/+ 1/sqrt(2).
-    rows = [_row(0.0, "t0", "a"), _row(1.0, "t0", "a"), _row(1.0, "t0", "b"), _row(0.0, "t0", "b")]
+    rows = [
+        _row(0.0, "t0", "a", steps=2, index=0),
+        _row(1.0, "t0", "a", steps=2, index=1),
+        _row(1.0, "t0", "b", steps=2, index=0),
+        _row(0.0, "t0", "b", steps=2, index=1),
+    ]
     _, result = _advantages(rows, stepwise_mode="per_step", gamma=0.5)
     assert result.advantages[:, -1].tolist() == pytest.approx([-A, A, A, -A], abs=1e-5)
     assert result.returns[:, -1].tolist() == pytest.approx([0.5, 1.0, 1.0, 0.0])
