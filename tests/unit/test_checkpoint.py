@@ -2,6 +2,7 @@
 
 import json
 import os
+import pickle
 import random
 import subprocess
 
@@ -162,6 +163,18 @@ def test_rng_restore_reproduces_draws(root):
         np.random.randn(),
         torch.rand(4).tolist(),
     ) == expected
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.getpid, ())
+
+
+def test_rng_state_loads_weights_only_so_a_tampered_file_is_refused(root):
+    path = _save(root, 1)
+    torch.save({"python": _RunsCode()}, path / "rng_state.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        restore_rng_state(path)
 
 
 def test_resume_modes(root, tmp_path):
