@@ -149,6 +149,19 @@ def _check_stepwise(cfg: AgentRLConfig) -> list[str]:
     return problems
 
 
+def _check_stepwise_estimator(cfg: AgentRLConfig) -> list[str]:
+    """agent.stepwise_advantage.enable=true needs an outcome estimator: algorithm.adv_estimator=gae is refused."""
+    sw, est = cfg.agent.stepwise_advantage, cfg.algorithm.adv_estimator
+    if sw.enable and est == "gae":
+        return [
+            f"algorithm.adv_estimator=gae cannot be used with agent.stepwise_advantage.enable=true "
+            f"(mode={sw.mode}): step-wise advantages give each step one scalar from an outcome estimator, while gae "
+            f"needs the critic's token-level values; set algorithm.adv_estimator to grpo, rloo, "
+            f"reinforce_plus_plus_baseline, reinforce or reinforce_plus_plus, or agent.stepwise_advantage.enable=false"
+        ]
+    return []
+
+
 def _check_model_len(cfg: AgentRLConfig) -> list[str]:
     """actor_rollout_ref.rollout.max_model_len, when set, fits data.max_prompt_length + data.max_response_length."""
     max_len = cfg.actor_rollout_ref.rollout.max_model_len
@@ -228,6 +241,7 @@ CROSS_FIELD_CHECKS: tuple[Callable[[AgentRLConfig], list[str]], ...] = (
     _check_single_kl,
     _check_resume,
     _check_stepwise,
+    _check_stepwise_estimator,
     _check_model_len,
     _check_tensor_parallel,
     _check_backend_devices,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from agentrl.algorithms import compute_advantages
+from agentrl.config import ConfigError, validate_config
 from agentrl.engine.assembly import episodes_to_rows, rows_to_batch
 from agentrl.engine.batch_advantages import compute_batch_advantages
 from agentrl.types import Episode, Step, Trajectory
@@ -172,3 +173,26 @@ def test_group_estimators_accept_sample_ids_and_reject_a_sample_in_two_groups(es
             group_ids=torch.tensor([0, 1]),
             sample_ids=torch.tensor([3, 3]),
         )
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "per_step"])
+def test_case5_gae_with_stepwise_advantages_is_refused_at_config_time(mode):
+    """gae needs token-level critic values; step-wise modes give each step one scalar.
+
+    Before, the run passed validation and failed inside step 1, after rollouts and the value
+    pass. Now validate_config names both keys and the way out.
+    """
+    with pytest.raises(ConfigError) as info:
+        validate_config(
+            {
+                "algorithm": {"adv_estimator": "gae"},
+                "agent": {"stepwise_advantage": {"enable": True, "mode": mode}},
+            }
+        )
+    (problem,) = info.value.problems
+    assert "algorithm.adv_estimator=gae" in problem and "agent.stepwise_advantage.enable=true" in problem
+    assert f"mode={mode}" in problem and "agent.stepwise_advantage.enable=false" in problem
+    # the estimators it suggests are accepted
+    validate_config(
+        {"algorithm": {"adv_estimator": "grpo"}, "agent": {"stepwise_advantage": {"enable": True}}}
+    )

@@ -72,6 +72,10 @@ from agentrl.config import validate_config
             ],
         ),
         (
+            {"agent.stepwise_advantage.enable": True, "algorithm.adv_estimator": "gae"},
+            ["algorithm.adv_estimator=gae cannot be used with agent.stepwise_advantage.enable=true"],
+        ),
+        (
             {"actor_rollout_ref.rollout.max_model_len": 300},
             ["actor_rollout_ref.rollout.max_model_len=300", ">= 320"],
         ),
