@@ -9,7 +9,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class TerminationReason(str, Enum):
@@ -39,6 +39,16 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     n: int = Field(1, ge=1)
     seed: int | None = None
+    ignore_eos: bool = False
+    """vLLM's extension: keep generating past EOS tokens (explicit `stop_token_ids` still stop)."""
+    min_tokens: int = Field(0, ge=0)
+    """vLLM's extension: no EOS, stop token or stop string ends a completion before this many tokens."""
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
 
 
 class GenerationOutput(BaseModel):

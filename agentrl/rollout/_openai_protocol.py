@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from agentrl.types import SamplingParams
 
@@ -42,7 +42,14 @@ class ChatMessageIn(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = Field(None, validate_default=True)
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_reply_names_its_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("role") == "tool" and not value:
+            raise ValueError("a 'tool' message needs the tool_call_id of the call it answers")
+        return value
 
 
 class FunctionSpec(_Lenient):
@@ -80,8 +87,17 @@ class SamplingFields(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    ignore_eos: bool = False
+    """vLLM's extension (`extra_body`): keep generating past EOS."""
+    min_tokens: int = Field(0, ge=0)
+    """vLLM's extension (`extra_body`): EOS, stop tokens and stop strings end nothing before this many tokens."""
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens` (chat's newer name) or `max_tokens`."""
+        return getattr(self, "max_completion_tokens", None) or self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's settings; `min_tokens` is clipped to `max_tokens` (what fits the context)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -92,6 +108,8 @@ class SamplingFields(_Lenient):
             stop_token_ids=list(self.stop_token_ids or []),
             n=self.n,
             seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            min_tokens=min(self.min_tokens, max_tokens),
         )
 
 
@@ -112,7 +130,13 @@ class CompletionRequest(SamplingFields):
 
 def build_error(message: str, param: str | None = None, status: int = 400) -> dict[str, Any]:
     """OpenAI error body: `{"error": {"message", "type", "param", "code"}}`."""
-    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError"}.get(
+    kind = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        403: "PermissionDeniedError",
+        404: "NotFoundError",
+        409: "ConflictError",
+    }.get(  # fmt: skip
         status, "InternalServerError"
     )
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

@@ -12,7 +12,10 @@ A rollout's client uses base URL `{gateway}/sessions/{session_id}/v1`. For each 
 Sessions are registered first (`POST /sessions`, or `TraceStore.open_session` / `Gateway.open_session`
 in-process); a call for an unknown session is a 404, so a straggling request of a finished rollout
 cannot slip into training data. `allow_implicit_sessions=True` (what `agentrl serve` uses) opens a
-session on its first call instead. The gateway holds no algorithm logic: it translates and forwards.
+session on its first call instead. A model name other than the served one is a 404 naming `model`.
+Session control and trace reads are admin routes (`admin_auth.py`): open on loopback, behind a
+bearer token when the gateway binds another address. The gateway holds no algorithm logic: it
+translates and forwards.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agentrl.rollout._openai_protocol import SamplingFields
+from agentrl.rollout._openai_protocol import ChatMessageIn, SamplingFields
+from agentrl.rollout.admin_auth import AdminAuthError, build_admin_guard, resolve_admin_token
 from agentrl.rollout.pool import RolloutPool
 from agentrl.rollout.traces import TraceStore, UnknownSessionError
 from agentrl.types import SamplingParams, Trace
@@ -43,7 +47,8 @@ class _Common(SamplingFields):
 
 
 class _ChatBody(_Common):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    """Validated as the server does (roles, a tool reply's `tool_call_id`); forwarded as sent."""
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -111,8 +116,13 @@ def build_gateway_app(
     sampling_val: SamplingParams | None = None,
     max_n: int = 16,
     allow_implicit_sessions: bool = False,
+    admin_token: str | None = None,
 ) -> FastAPI:
-    """The gateway's FastAPI app; `sampling_val` defaults to greedy with `sampling_train`'s length cap."""
+    """The gateway's FastAPI app; `sampling_val` defaults to greedy with `sampling_train`'s length cap.
+
+    `admin_token`: the bearer token that session control and trace reads require; None leaves them
+    open to loopback clients only.
+    """
     sampling = {
         "train": sampling_train,
         "validation": sampling_val
@@ -120,6 +130,8 @@ def build_gateway_app(
     }
     app = FastAPI(title="agentrl gateway")
     app.state.pool, app.state.trace_store, app.state.sampling = pool, trace_store, sampling
+    app.state.admin_token = admin_token
+    admin = [Depends(build_admin_guard(admin_token))]
 
     def session_mode(sid: str) -> str:
         if not trace_store.has_session(sid) and allow_implicit_sessions:
@@ -129,6 +141,10 @@ def build_gateway_app(
     @app.exception_handler(_BadRequest)
     async def _bad_request(_: Request, exc: _BadRequest) -> JSONResponse:
         return _error(exc.status, str(exc), exc.param)
+
+    @app.exception_handler(AdminAuthError)
+    async def _denied(_: Request, exc: AdminAuthError) -> JSONResponse:
+        return _error(exc.status, exc.message)
 
     @app.exception_handler(UnknownSessionError)
     async def _unknown_session(_: Request, exc: UnknownSessionError) -> JSONResponse:
@@ -148,7 +164,7 @@ def build_gateway_app(
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.post("/sessions")
+    @app.post("/sessions", dependencies=admin)
     async def create_session(request: Request) -> JSONResponse:
         raw = await request.body()
         body = _SessionBody() if not raw.strip() else (await _parse(request, _SessionBody))[1]
@@ -161,14 +177,14 @@ def build_gateway_app(
             {"session_id": sid, "mode": trace_store.mode(sid), "base_url": f"/sessions/{sid}/v1"}
         )
 
-    @app.delete("/sessions/{sid}")
+    @app.delete("/sessions/{sid}", dependencies=admin)
     async def close_session(sid: str) -> JSONResponse:
         trace_store.mode(sid)  # 404 if unknown
         trace_store.close_session(sid)
         pool.forget_session(sid)
         return JSONResponse({"session_id": sid, "closed": True})
 
-    @app.get("/sessions/{sid}/traces")
+    @app.get("/sessions/{sid}/traces", dependencies=admin)
     async def get_traces(sid: str) -> JSONResponse:
         return JSONResponse([t.model_dump(mode="json") for t in trace_store.traces(sid)])
 
@@ -189,6 +205,19 @@ def build_gateway_app(
     async def _handle(sid: str, request: Request, *, chat: bool) -> Any:
         mode = session_mode(sid)
         raw, req = await _parse(request, _ChatBody if chat else _CompletionBody)
+        if req.model is not None and req.model not in {pool.model_name, pool.served_model}:
+            raise _BadRequest(
+                f"invalid field 'model': the model `{req.model}` does not exist; this gateway serves "
+                f"`{pool.model_name}` (pass model=ctx.model in a flow)",
+                "model",
+                404,
+            )
+        asked = req.requested_max_tokens() or (None if chat else 16)
+        if asked is not None and req.min_tokens > asked:
+            raise _BadRequest(
+                f"invalid field 'min_tokens': {req.min_tokens} is above the requested max_tokens of {asked}",
+                "min_tokens",
+            )
         if req.n > max_n:
             raise _BadRequest(
                 f"invalid field 'n': {req.n} is above the cap of {max_n} (rollout.max_n_per_request)", "n"
@@ -243,21 +272,28 @@ def build_upstream_body(
 ) -> dict[str, Any]:
     """The body sent to the server: the client's request under the mode's sampling settings."""
     body = dict(raw)
-    asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    asked = req.requested_max_tokens()
     body.pop("max_completion_tokens", None)
     body.pop("stream_options", None)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    max_tokens = min(asked, sampling.max_tokens) if asked else sampling.max_tokens
     body.update(
         model=served_model,
         stream=False,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,
-        max_tokens=min(asked, sampling.max_tokens) if asked else sampling.max_tokens,
+        max_tokens=max_tokens,
         stop=list(dict.fromkeys(stop + sampling.stop)),
         stop_token_ids=list(dict.fromkeys(list(req.stop_token_ids or []) + sampling.stop_token_ids)),
         return_token_ids=True,
     )
+    # vLLM's extensions under vLLM's names: the mode's setting or the client's, within the capped length.
+    if req.ignore_eos or sampling.ignore_eos:
+        body["ignore_eos"] = True
+    min_tokens = min(max(req.min_tokens, sampling.min_tokens), max_tokens)
+    if min_tokens:
+        body["min_tokens"] = min_tokens
     if chat:
         body["logprobs"] = True
     else:
@@ -379,12 +415,16 @@ class Gateway:
         allow_implicit_sessions: bool = False,
         host: str = "127.0.0.1",
         port: int = 0,
+        admin_token: str | None = None,
     ) -> None:
+        """`admin_token` guards session control and traces; bound off loopback without one (and without
+        `$AGENTRL_ADMIN_TOKEN`), a random token is made: read it from `.admin_token`."""
         self.pool = pool
         self.trace_store = trace_store or TraceStore()
+        self.admin_token = resolve_admin_token(host, admin_token)
         self.app = build_gateway_app(
             pool, self.trace_store, sampling_train=sampling_train, sampling_val=sampling_val,
-            max_n=max_n, allow_implicit_sessions=allow_implicit_sessions,
+            max_n=max_n, allow_implicit_sessions=allow_implicit_sessions, admin_token=self.admin_token,
         )  # fmt: skip
         self._host, self._port = host, port
         self._handle: Any = None

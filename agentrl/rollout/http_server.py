@@ -4,6 +4,10 @@ Used by the gateway, the tests and the trainer: the caller keeps its own event l
 the server gets its own loop in its own thread. The socket is bound before uvicorn starts
 (port 0 = the OS picks a free port), so the port is known at once and cannot be taken by a
 concurrent test between choosing and binding.
+
+Apps served this way are also listed by URL (`find_local_app`), so a `RolloutPool` in the same
+process calls them in-process through `httpx.ASGITransport` instead of a second TCP hop. An app
+whose admin routes have no token (`app.state.admin_token is None`) is refused a non-loopback host.
 """
 
 from __future__ import annotations
@@ -16,7 +20,17 @@ from typing import Any
 import httpx
 import uvicorn
 
-__all__ = ["ServerHandle", "start_server_in_thread"]
+from agentrl.rollout.admin_auth import ADMIN_TOKEN_ENV, is_loopback
+
+__all__ = ["ServerHandle", "find_local_app", "start_server_in_thread"]
+
+_LOCAL_APPS: dict[str, Any] = {}
+"""`http://host:port` -> the ASGI app this process serves there (registered while it runs)."""
+
+
+def find_local_app(origin: str) -> Any | None:
+    """The app this process serves at `origin` (`http://host:port`), or None."""
+    return _LOCAL_APPS.get(origin.rstrip("/"))
 
 
 class ServerHandle:
@@ -29,6 +43,7 @@ class ServerHandle:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask uvicorn to exit (closing open connections) and wait for its thread."""
+        _LOCAL_APPS.pop(self.url, None)
         self._server.should_exit = True
         self._thread.join(timeout=timeout)
         if self._thread.is_alive():
@@ -47,8 +62,14 @@ def start_server_in_thread(
 ) -> ServerHandle:
     """Serve `app` from a daemon thread; returns once `GET {health_path}` answers 200.
 
-    Raises RuntimeError if the server thread dies or health does not answer within `timeout`.
+    Raises RuntimeError if the server thread dies or health does not answer within `timeout`, and
+    ValueError for a non-loopback `host` when the app's admin routes have no token.
     """
+    if not is_loopback(host) and getattr(getattr(app, "state", None), "admin_token", "") is None:
+        raise ValueError(
+            f"refusing to serve {getattr(app, 'title', 'the app')!r} on {host}: its admin routes have no token; "
+            f"build it with admin_token=resolve_admin_token(host) (or set ${ADMIN_TOKEN_ENV})"
+        )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -66,6 +87,7 @@ def start_server_in_thread(
             raise RuntimeError(f"server thread on {handle.url} exited during start-up")
         try:
             if httpx.get(handle.url + health_path, timeout=2.0).status_code == 200:
+                _LOCAL_APPS[handle.url] = app
                 return handle
         except httpx.HTTPError:
             pass

@@ -15,6 +15,10 @@ Both engines sit behind the same pool; only their admin routes differ:
 | full weights      | POST /update_weights {path}     | POST /collective_rpc reload_weights(weights_path); /reset_prefix_cache |
 | LoRA adapter      | POST /v1/load_lora_adapter      | POST /v1/load_lora_adapter (load_inplace when the name is reused)     |
 | sleep / wake up   | POST /sleep, POST /wake_up      | POST /sleep?level=1, POST /wake_up                                   |
+
+Admin calls carry the servers' bearer token when one is set (`admin_auth.py`). A server whose app
+runs in this process (`http_server.find_local_app`) is called in-process through
+`httpx.ASGITransport`: same routes and answers, no TCP hop and no second event loop.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import httpx
+
+from agentrl.rollout.admin_auth import admin_headers
+from agentrl.rollout.http_server import find_local_app
 
 ENGINES = ("embedded", "vllm")
 
@@ -82,12 +89,15 @@ class RolloutPool:
         probe_interval: float = 2.0,
         probe_timeout: float = 2.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        admin_token: str | None = None,
+        in_process: bool = True,
     ) -> None:
         """`servers`: URLs, or objects with `.url` (and optionally `.engine`, e.g. `VLLMServer`).
 
         `model_name` is the name the servers serve; requests are forwarded with `model` set to it
-        (or to the active LoRA adapter), whatever the client asked for. `transport` replaces
-        httpx's network transport (tests serve several in-process apps through one).
+        (or to the active LoRA adapter). `transport` replaces httpx's network transport (tests serve
+        several in-process apps through one). `admin_token` is sent with admin calls. `in_process`
+        calls servers of this process in-process (see the module docstring).
         """
         if not servers:
             raise ValueError("RolloutPool needs at least one server")
@@ -108,6 +118,8 @@ class RolloutPool:
             weakref.WeakKeyDictionary()
         )
         self._transport = transport
+        self._admin_token = admin_token
+        self._in_process = in_process
 
     # ---- routing -------------------------------------------------------------------------------
 
@@ -175,11 +187,13 @@ class RolloutPool:
             state.in_flight += 1
             state.requests += 1
             try:
-                resp = await self._client().post(
-                    state.url + path, json=json_body, timeout=self.request_timeout
-                )
+                # asyncio's timeout too: httpx's does not apply to an in-process (ASGI) server.
+                async with asyncio.timeout(self.request_timeout):
+                    resp = await self._client().post(
+                        state.url + path, json=json_body, timeout=self.request_timeout
+                    )
                 body = resp.json()
-            except (httpx.HTTPError, ValueError) as e:
+            except (httpx.HTTPError, ValueError, TimeoutError) as e:
                 reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 self.mark_unhealthy(state, reason)
                 errors.append(f"{state.url}: {reason}")
@@ -201,8 +215,13 @@ class RolloutPool:
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None:
-            limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-            client = httpx.AsyncClient(timeout=self.request_timeout, limits=limits, transport=self._transport)
+            transport = self._transport
+            if transport is None:
+                limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+                transport = httpx.AsyncHTTPTransport(limits=limits)
+                if self._in_process:
+                    transport = _InProcessFirst(transport)
+            client = httpx.AsyncClient(timeout=self.request_timeout, transport=transport)
             self._clients[loop] = client
         return client
 
@@ -350,13 +369,39 @@ class RolloutPool:
     async def _post_admin(self, state: ServerState, path: str, body: dict[str, Any]) -> tuple[bool, str]:
         try:
             resp = await self._client().post(
-                state.url + path, json=body, timeout=max(self.request_timeout, 300.0)
+                state.url + path,
+                json=body,
+                headers=admin_headers(self._admin_token),
+                timeout=max(self.request_timeout, 300.0),
             )
         except httpx.HTTPError as e:
             return False, f"POST {path}: {type(e).__name__}: {e}"
         if resp.status_code != 200:
             return False, f"POST {path}: HTTP {resp.status_code}: {resp.text[:300]}"
         return True, ""
+
+
+class _InProcessFirst(httpx.AsyncBaseTransport):
+    """Requests to an app this process serves go to it through ASGI; the rest to the network."""
+
+    def __init__(self, network: httpx.AsyncBaseTransport) -> None:
+        self._network = network
+        self._local: dict[str, tuple[Any, httpx.ASGITransport]] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        origin = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        app = find_local_app(origin)
+        if app is None:
+            return await self._network.handle_async_request(request)
+        cached = self._local.get(origin)
+        if cached is None or cached[0] is not app:
+            # Exceptions become 500s, as over TCP, so failover treats both paths alike.
+            cached = (app, httpx.ASGITransport(app, raise_app_exceptions=False))
+            self._local[origin] = cached
+        return await cached[1].handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._network.aclose()
 
 
 def _to_state(server: Any, default_engine: str) -> ServerState:

@@ -4,7 +4,10 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /he
 routes POST /update_weights, /v1/load_lora_adapter, /sleep, /wake_up, GET /is_sleeping, /metrics.
 Responses carry `policy_version` (the weights version when the request started) and, with
 `return_token_ids: true`, the exact prompt and completion token ids in vLLM 0.32's fields.
-Bad requests get a 400 in OpenAI's error shape naming the field (`param`).
+Bad requests get a 400 in OpenAI's error shape naming the field (`param`); a model name other than
+the served one (or its LoRA adapter) is a 404 naming `model`, as vLLM answers. Image, video and
+audio parts are refused: the engine takes token ids only. Admin routes need the bearer token the
+app was built with (`admin_auth.py`); without one they answer loopback clients only.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
@@ -31,6 +34,7 @@ from agentrl.rollout._openai_protocol import (
     now,
 )
 from agentrl.rollout._sse import stream_chat, stream_completions
+from agentrl.rollout.admin_auth import AdminAuthError, build_admin_guard
 from agentrl.rollout.chat import parse_tool_calls, render_chat
 from agentrl.rollout.engines._weights import read_state_dict
 from agentrl.types import SamplingParams
@@ -80,6 +84,40 @@ class _Server:
     def max_tokens(self, requested: int | None, prompt_len: int) -> int:
         return min(requested or self.max_model_len, self.max_model_len - prompt_len)
 
+    def check_request(self, req: Any, default_max_tokens: int | None = None) -> None:
+        """Refusals every route shares: an unknown model (404), `n` above the cap, `min_tokens` too large."""
+        served = {self.model_name, getattr(self.engine, "lora_adapter", None)} - {None}
+        if req.model is not None and req.model not in served:
+            raise RequestError(
+                f"model: the model `{req.model}` does not exist; this server serves {sorted(served)}",
+                "model",
+                404,
+            )
+        self.check_n(req.n)
+        asked = req.requested_max_tokens() or default_max_tokens
+        if asked is not None and req.min_tokens > asked:
+            raise RequestError(
+                f"min_tokens: {req.min_tokens} is above the requested max_tokens of {asked}", "min_tokens"
+            )
+
+
+_MEDIA_PARTS = ("image_url", "image", "input_image", "video", "video_url", "input_audio", "audio_url")
+
+
+def _refuse_media(server: _Server, req: ChatCompletionRequest) -> None:
+    """The engine takes token ids only: an image would become placeholder tokens with no pixels behind them."""
+    if getattr(server.engine, "accepts_images", False):
+        return
+    for i, message in enumerate(req.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+            kind = part.get("type") or next((k for k in _MEDIA_PARTS if k in part), None)
+            if kind in _MEDIA_PARTS:
+                raise RequestError(
+                    f"messages.{i}.content.{j}: a '{kind}' part was sent, but `{server.model_name}` is served "
+                    "text-only here (the embedded engine takes token ids, no pixels or audio)",
+                    f"messages.{i}.content.{j}",
+                )
+
 
 def _render_chat_request(server: _Server, req: ChatCompletionRequest) -> tuple[list[int], bool]:
     """Prompt ids and whether tool calls should be parsed from the output."""
@@ -90,6 +128,7 @@ def _render_chat_request(server: _Server, req: ChatCompletionRequest) -> tuple[l
             "decoding to force a call); use 'auto' (the default with tools) or 'none'",
             "tool_choice",
         )
+    _refuse_media(server, req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     messages = [m.model_dump(exclude_none=True) | {"content": m.content} for m in req.messages]
     try:
@@ -101,11 +140,9 @@ def _render_chat_request(server: _Server, req: ChatCompletionRequest) -> tuple[l
 
 
 async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
-    server.check_n(req.n)
+    server.check_request(req)
     prompt_ids, parse_tools = _render_chat_request(server, req)
-    params = req.to_sampling_params(
-        server.max_tokens(req.max_completion_tokens or req.max_tokens, len(prompt_ids))
-    )
+    params = req.to_sampling_params(server.max_tokens(req.requested_max_tokens(), len(prompt_ids)))
     top = (req.top_logprobs or 0) if req.logprobs else 0
     version = server.engine.policy_version
     if req.stream:
@@ -166,7 +203,7 @@ def _completion_prompts(server: _Server, prompt: Any) -> list[list[int]]:
 
 
 async def _completions(server: _Server, req: CompletionRequest) -> Any:
-    server.check_n(req.n)
+    server.check_request(req, default_max_tokens=16)
     if req.echo:
         raise RequestError("echo: not supported by the embedded engine", "echo")
     prompts = _completion_prompts(server, req.prompt)
@@ -224,12 +261,27 @@ async def _run(generate_fn: Any, prompt_ids: list[int], params: SamplingParams, 
 
 
 def build_server_app(
-    engine: Any, tokenizer: Any, *, model_name: str, max_model_len: int | None = None, max_n: int = 16
+    engine: Any,
+    tokenizer: Any,
+    *,
+    model_name: str,
+    max_model_len: int | None = None,
+    max_n: int = 16,
+    admin_token: str | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app over `engine` (an `EmbeddedEngine` or anything with its methods)."""
+    """The OpenAI-compatible app over `engine` (an `EmbeddedEngine` or anything with its methods).
+
+    `admin_token`: the bearer token admin routes require (see `admin_auth.resolve_admin_token`);
+    None leaves them open to loopback clients only.
+    """
     server = _Server(engine, tokenizer, model_name, int(max_model_len or engine.max_model_len), max_n)
     app = FastAPI(title="agentrl embedded engine")
-    app.state.server = server
+    app.state.server, app.state.admin_token = server, admin_token
+    admin = [Depends(build_admin_guard(admin_token))]
+
+    @app.exception_handler(AdminAuthError)
+    async def _denied(_: Request, exc: AdminAuthError) -> JSONResponse:
+        return JSONResponse(build_error(exc.message, None, exc.status), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -279,7 +331,7 @@ def build_server_app(
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/update_weights")
+    @app.post("/update_weights", dependencies=admin)
     async def update_weights(body: UpdateWeightsBody) -> dict[str, Any]:
         try:
             version = await asyncio.to_thread(lambda: engine.update_weights(read_state_dict(body.path)))
@@ -287,7 +339,7 @@ def build_server_app(
             raise RequestError(str(error), "path") from error
         return {"policy_version": version, "weights_fingerprint": engine.weights_fingerprint()}
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", dependencies=admin)
     async def load_lora_adapter(body: LoadLoraBody) -> dict[str, Any]:
         try:
             version = await asyncio.to_thread(engine.load_lora_adapter, body.lora_name, body.lora_path)
@@ -295,7 +347,7 @@ def build_server_app(
             raise RequestError(f"lora_path: {error}", "lora_path") from error
         return {"status": "ok", "lora_name": body.lora_name, "policy_version": version}
 
-    @app.post("/sleep")
+    @app.post("/sleep", dependencies=admin)
     async def sleep() -> dict[str, bool]:
         try:
             await asyncio.to_thread(engine.sleep)
@@ -303,7 +355,7 @@ def build_server_app(
             raise RequestError(str(error), None, 409) from error
         return {"is_sleeping": True}
 
-    @app.post("/wake_up")
+    @app.post("/wake_up", dependencies=admin)
     async def wake_up() -> dict[str, bool]:
         await asyncio.to_thread(engine.wake_up)
         return {"is_sleeping": False}

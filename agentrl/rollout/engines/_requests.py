@@ -6,6 +6,7 @@ ends the sequence with finish_reason "stop"; the returned text stops before the 
 while `token_ids` (and `logprobs`) keep every sampled token including the ones that spelled the
 stop string, because training needs tokens that match their logprobs exactly. An EOS or
 `stop_token_ids` token is kept in `token_ids` too (as vLLM does) and left out of the text.
+vLLM's `ignore_eos` and `min_tokens` are honoured in the stop check (`Detokenizer.check_finished`).
 """
 
 from __future__ import annotations
@@ -92,22 +93,31 @@ class Detokenizer:
         return decode_completion(self.tokenizer, token_ids, self.hidden_ids)
 
     def check_finished(self, seq: Sequence, max_model_len_reached: bool) -> None:
-        """Set `seq.finish_reason` (and where a stop string starts) after a token was appended."""
+        """Set `seq.finish_reason` (and where a stop string starts) after a token was appended.
+
+        `ignore_eos` skips the EOS check (explicit `stop_token_ids` still stop, as in vLLM). Below
+        `min_tokens` nothing but the length limit ends the sequence: an EOS or stop token sampled
+        there is kept and generation goes on (vLLM masks them from sampling instead), and stop
+        strings count only in text decoded after the first `min_tokens` tokens.
+        """
         params = seq.request.params
-        token = seq.token_ids[-1]
-        if token in self.eos_token_ids or token in params.stop_token_ids:
-            seq.finish_reason = "stop"
-            return
-        if params.stop:
-            text = self.decode(seq.token_ids)
-            longest = max(len(s) for s in params.stop)
-            window_start = max(0, seq.decoded_len - longest)
-            seq.decoded_len = len(text)
-            hits = [pos for s in params.stop if (pos := text.find(s, window_start)) >= 0]
-            if hits:
+        if len(seq.token_ids) < params.min_tokens:
+            if params.stop:  # text up to here may not end the sequence later
+                seq.decoded_len = len(self.decode(seq.token_ids))
+        else:
+            token = seq.token_ids[-1]
+            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 seq.finish_reason = "stop"
-                seq.stop_text_end = min(hits)
                 return
+            if params.stop:
+                text, seen = self.decode(seq.token_ids), seq.decoded_len
+                seq.decoded_len = len(text)
+                # A hit must end in the new text: earlier text was checked, or lies within min_tokens.
+                hits = [pos for s in params.stop if (pos := text.find(s, max(0, seen - len(s) + 1))) >= 0]
+                if hits:
+                    seq.finish_reason = "stop"
+                    seq.stop_text_end = min(hits)
+                    return
         if len(seq.token_ids) >= seq.request.max_new_tokens or max_model_len_reached:
             seq.finish_reason = "length"
 

@@ -280,6 +280,9 @@ def test_admin_routes(admin_server, tmp_path, tokenizer, make_diverse_model):
     assert loaded.status_code == 200 and loaded.json()["policy_version"] == 2
     assert greedy()[0] != after
     assert [m["id"] for m in httpx.get(handle.url + "/v1/models").json()["data"]] == ["tiny", "mine"]
+    assert client.completions.create(model="mine", prompt="Hi", max_tokens=2).choices  # the adapter's name
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="theirs", prompt="Hi", max_tokens=2)
 
     assert httpx.post(handle.url + "/sleep").json() == {"is_sleeping": True}
     assert httpx.get(handle.url + "/is_sleeping").json() == {"is_sleeping": True}

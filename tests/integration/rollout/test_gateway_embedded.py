@@ -62,9 +62,9 @@ def _check_trace(trace, gateway: Gateway) -> None:
 
 def test_sync_chat_is_an_ordinary_response_and_is_traced(stack: Gateway) -> None:
     sid, client = _client(stack)
-    reply = client.chat.completions.create(model="anything", messages=MSG, temperature=0.0, max_tokens=500)
+    reply = client.chat.completions.create(model=MODEL, messages=MSG, temperature=0.0, max_tokens=500)
     choice = reply.choices[0]
-    assert choice.logprobs is None and reply.model == "anything"
+    assert choice.logprobs is None and reply.model == MODEL
     assert "token_ids" not in (choice.model_extra or {}) and "prompt_token_ids" not in (
         reply.model_extra or {}
     )
@@ -176,11 +176,17 @@ def test_unknown_session_is_404_and_bad_fields_are_4xx(stack: Gateway) -> None:
         "messages": {"messages": "hi"},
         "temperature": {"messages": MSG, "temperature": "hot"},
         "max_tokens": {"messages": MSG, "max_tokens": 0},
+        "messages.1.tool_call_id": {"messages": [*MSG, {"role": "tool", "content": "5"}]},
+        "min_tokens": {"messages": MSG, "max_tokens": 2, "min_tokens": 3},
     }
     for field, body in cases.items():
         r = httpx.post(f"{url}/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
         assert f"'{field}'" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/chat/completions", json={"messages": MSG, "model": "gpt-4o"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        openai.OpenAI(base_url=url, api_key="x", max_retries=0).completions.create(model="gpt-4o", prompt="x")
     r = httpx.post(f"{url}/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/completions", json={"prompt": "word " * 400})  # longer than max_model_len 256

@@ -199,3 +199,34 @@ def test_trace_store_is_per_session_and_thread_safe() -> None:
         store.open_session("c", "greedy")
     with pytest.raises(ValueError, match="without '/'"):
         store.open_session("a/b")
+
+
+def test_upstream_body_passes_vllm_extensions_under_vllms_names() -> None:
+    raw = {"messages": MSG, "max_tokens": 500, "min_tokens": 400, "ignore_eos": True}
+    body = build_upstream_body(raw, _ChatBody.model_validate(raw), TRAIN, "served", chat=True)
+    assert (body["ignore_eos"], body["min_tokens"], body["max_tokens"]) == (True, 16, 16)  # within the cap
+    raw = {"messages": MSG}
+    fixed = TRAIN.model_copy(update={"ignore_eos": True, "min_tokens": 16})  # a mode that fixes lengths
+    body = build_upstream_body(raw, _ChatBody.model_validate(raw), fixed, "served", chat=True)
+    assert (body["ignore_eos"], body["min_tokens"]) == (True, 16)
+    body = build_upstream_body(raw, _ChatBody.model_validate(raw), TRAIN, "served", chat=True)
+    assert "ignore_eos" not in body and "min_tokens" not in body
+
+
+def test_refused_requests_name_the_field(gateway_client) -> None:
+    app, _, seen = gateway_client
+    sid = _call(app, "POST", "/sessions", json={}).json()["session_id"]
+    url = f"/sessions/{sid}/v1/chat/completions"
+    r = _call(app, "POST", url, json={"messages": MSG, "model": "gpt-4o"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert "`gpt-4o` does not exist" in r.json()["error"]["message"]
+    tool_turn = [*MSG, {"role": "assistant", "content": "x"}, {"role": "tool", "content": "4"}]
+    r = _call(app, "POST", url, json={"messages": tool_turn, "model": "m"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.2.tool_call_id"
+    r = _call(app, "POST", url, json={"messages": MSG, "max_tokens": 4, "min_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    r = _call(app, "POST", url, json={"messages": MSG, "ignore_eos": "yes please"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos"
+    assert seen == []  # nothing reached the server
+    r = _call(app, "POST", url, json={"messages": MSG, "model": "m", "min_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200 and (seen[-1]["min_tokens"], seen[-1]["ignore_eos"]) == (3, True)

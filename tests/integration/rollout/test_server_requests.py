@@ -1,0 +1,155 @@
+"""A real embedded server on loopback (and off it): vLLM's sampling extensions, refused requests, admin tokens.
+
+EOS is made observable by declaring a token the greedy answer contains to be the model's EOS
+(`generation_config.eos_token_id`), so each case has an exact expected token list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import httpx
+import openai
+import pytest
+import torch
+
+from agentrl.rollout.engines.embedded import EmbeddedEngine
+from agentrl.rollout.gateway import Gateway
+from agentrl.rollout.http_server import start_server_in_thread
+from agentrl.rollout.pool import RolloutPool
+from agentrl.rollout.server import build_server_app
+from agentrl.types import SamplingParams
+
+pytestmark = pytest.mark.slow
+PROMPT = [10, 11, 12, 13]
+N = 12
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def eos_case(model, tokenizer):
+    """A server whose EOS is a token of the greedy answer at position >= 2 (its first occurrence)."""
+    reference = _greedy(model, PROMPT, N)
+    eos_at = next(i for i in range(2, N) if reference[i] not in reference[:i])
+    served = copy.deepcopy(model)
+    served.generation_config.eos_token_id = reference[eos_at]
+    engine = EmbeddedEngine(served, tokenizer, max_num_seqs=8, max_model_len=128)
+    handle = start_server_in_thread(build_server_app(engine, tokenizer, model_name="tiny"))
+    yield handle, reference, eos_at
+    handle.stop()
+    engine.close()
+
+
+def _complete(base_url: str, **extra) -> tuple[list[int], str]:
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    reply = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=N,
+        temperature=0,
+        extra_body={"return_token_ids": True, **extra},
+    )
+    return reply.choices[0].model_extra["token_ids"], reply.choices[0].finish_reason
+
+
+def test_ignore_eos_and_min_tokens_on_the_embedded_server(eos_case):
+    handle, reference, eos_at = eos_case
+    assert _complete(handle.url + "/v1") == (reference[: eos_at + 1], "stop")
+    assert _complete(handle.url + "/v1", ignore_eos=True) == (reference, "length")
+    # min_tokens past the EOS: the EOS is kept and generation goes on to the next EOS or the length limit.
+    later = next((i for i in range(eos_at + 1, N) if reference[i] == reference[eos_at]), None)
+    expected = (reference[: later + 1], "stop") if later is not None else (reference, "length")
+    assert _complete(handle.url + "/v1", min_tokens=eos_at + 2) == expected
+    assert _complete(handle.url + "/v1", min_tokens=eos_at + 1) == (reference[: eos_at + 1], "stop")
+    r = httpx.post(handle.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "min_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+    r = httpx.post(handle.url + "/v1/completions", json={"prompt": PROMPT, "min_tokens": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+
+
+def test_the_gateway_passes_the_extensions_through(eos_case):
+    handle, reference, eos_at = eos_case
+    pool = RolloutPool([handle.url], model_name="tiny")
+    with Gateway(pool, sampling_train=SamplingParams(temperature=0.0, max_tokens=N)) as gateway:
+        assert _complete(gateway.open_session("a"))[0] == reference[: eos_at + 1]
+        assert _complete(gateway.open_session("b"), ignore_eos=True) == (reference, "length")
+        (trace,) = gateway.session_traces("b")
+        assert trace.completion_ids == reference and trace.finish_reason == "length"
+
+
+def test_requests_the_server_refuses_name_the_field(server_url):
+    chat = server_url + "/v1/chat/completions"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    r = httpx.post(
+        chat, json={"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content.1"
+    assert "text-only" in r.json()["error"]["message"]
+    r = httpx.post(chat, json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["type"] == "NotFoundError"
+    messages = [{"role": "user", "content": "2+3?"}, {"role": "tool", "content": "5"}]
+    r = httpx.post(chat, json={"model": "tiny", "messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.1.tool_call_id"
+    # The same request with the call's id, and a plain text part list, are served.
+    messages[1]["tool_call_id"] = "call_1"
+    assert httpx.post(chat, json={"model": "tiny", "messages": messages, "max_tokens": 2}).status_code == 200
+    text_parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert httpx.post(chat, json={"messages": text_parts, "max_tokens": 2}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def server_url(model, tokenizer):
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=8, max_model_len=128)
+    handle = start_server_in_thread(build_server_app(engine, tokenizer, model_name="tiny"))
+    yield handle.url
+    handle.stop()
+    engine.close()
+
+
+def test_admin_routes_need_the_token_off_loopback(model, tokenizer):
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=8, max_model_len=128)
+    app = build_server_app(engine, tokenizer, model_name="tiny", admin_token="s3cret")
+    with start_server_in_thread(app, "0.0.0.0") as handle:
+        url = f"http://127.0.0.1:{handle.port}"
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            r = httpx.post(url + "/sleep", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+        assert not engine.is_sleeping
+        pool = RolloutPool([url], model_name="tiny", admin_token="s3cret", in_process=False)
+        asyncio.run(pool.sleep())
+        assert engine.is_sleeping and all(s.healthy for s in pool.servers)
+        asyncio.run(pool.wake_up())
+        assert not engine.is_sleeping
+        # Model calls stay open.
+        r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200
+    engine.close()
+
+
+def test_a_gateway_off_loopback_makes_a_token_for_its_admin_routes(server_url, monkeypatch):
+    monkeypatch.delenv("AGENTRL_ADMIN_TOKEN", raising=False)
+    pool = RolloutPool([server_url], model_name="tiny")
+    with Gateway(pool, sampling_train=SamplingParams(max_tokens=4), host="0.0.0.0") as gateway:
+        token = gateway.admin_token
+        assert token and len(token) >= 32
+        base = f"http://127.0.0.1:{gateway.url.rsplit(':', 1)[1]}"
+        assert httpx.post(base + "/sessions", json={"session_id": "s"}).status_code == 401
+        auth = {"Authorization": f"Bearer {token}"}
+        assert httpx.post(base + "/sessions", json={"session_id": "s"}, headers=auth).status_code == 200
+        reply = httpx.post(
+            base + "/sessions/s/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+        )
+        assert reply.status_code == 200
+        assert len(httpx.get(base + "/sessions/s/traces", headers=auth).json()) == 1
+    with Gateway(pool, sampling_train=SamplingParams(max_tokens=4)) as loopback:
+        assert loopback.admin_token is None
+        assert httpx.post(loopback.url + "/sessions", json={"session_id": "s"}).status_code == 200
