@@ -240,13 +240,18 @@ def fill_steps_from_traces(trajectories: list[Trajectory], traces: list[Trace]) 
 def classify_termination(
     episode: Episode, traces: list[Trace], limits: CollectorLimits, refused_calls: int = 0
 ) -> TerminationReason:
-    """Why a rollout that returned normally ended, from its traces and the agent limits."""
+    """Why a rollout that returned normally ended, from its traces and the agent limits.
+
+    Any call cut at the length limit makes the episode `max_response_length_exceeded`, not only the
+    last one: a multi-turn agent that goes on after a cut-off turn (finish reasons ["length",
+    "stop"]) acted on a truncated answer, and compact filtering must be able to drop it.
+    """
     if episode.termination_reason != TerminationReason.UNKNOWN:
         return episode.termination_reason
     if refused_calls or len(traces) > limits.max_steps:
         return TerminationReason.MAX_TURNS_EXCEEDED
     if any(len(t.prompt_ids) > limits.max_prompt_length for t in traces):
         return TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED
-    if traces and traces[-1].finish_reason == "length":
+    if any(t.finish_reason == "length" for t in traces):
         return TerminationReason.MAX_RESPONSE_LENGTH_EXCEEDED
     return TerminationReason.ENV_DONE

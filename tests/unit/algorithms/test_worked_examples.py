@@ -12,11 +12,12 @@ import math
 import pytest
 import torch
 
-from agentrl.algorithms import compute_advantages
+from agentrl.algorithms import build_masked_reasons, compact_filter_keep, compute_advantages
 from agentrl.config import ConfigError, validate_config
 from agentrl.engine.assembly import episodes_to_rows, rows_to_batch
 from agentrl.engine.batch_advantages import compute_batch_advantages
-from agentrl.types import Episode, Step, Trajectory
+from agentrl.rollout.collector import CollectorLimits, classify_termination
+from agentrl.types import Episode, Step, TerminationReason, Trace, Trajectory
 
 S2 = 1 / math.sqrt(2)
 S3 = 1 / math.sqrt(3)
@@ -196,3 +197,30 @@ def test_case5_gae_with_stepwise_advantages_is_refused_at_config_time(mode):
     validate_config(
         {"algorithm": {"adv_estimator": "grpo"}, "agent": {"stepwise_advantage": {"enable": True}}}
     )
+
+
+def _trace(call: int, finish_reason: str) -> Trace:
+    return Trace(
+        session_id="s",
+        request_id=f"r{call}",
+        prompt_ids=[1, 2],
+        completion_ids=[3],
+        logprobs=[-0.1],
+        finish_reason=finish_reason,
+    )
+
+
+def test_case4_a_cut_off_middle_turn_ends_the_episode_as_max_response_length_exceeded():
+    """Finish reasons ["length", "stop"]: turn 1 was cut at the limit, turn 2 answered normally.
+
+    The agent acted on a truncated answer, so the episode is max_response_length_exceeded (it was
+    env_done, which only looked at the last call), and compact filtering with its default
+    mask_max_response_length_exceeded=true drops it; ["stop", "stop"] stays env_done and is kept.
+    """
+    limits = CollectorLimits(max_steps=8, max_prompt_length=100)
+    cut = classify_termination(Episode(), [_trace(0, "length"), _trace(1, "stop")], limits)
+    clean = classify_termination(Episode(), [_trace(0, "stop"), _trace(1, "stop")], limits)
+    assert cut == TerminationReason.MAX_RESPONSE_LENGTH_EXCEEDED
+    assert clean == TerminationReason.ENV_DONE
+    masked = build_masked_reasons(mask_max_response_length_exceeded=True)
+    assert compact_filter_keep([cut, clean], masked) == [False, True]
