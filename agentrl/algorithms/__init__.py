@@ -19,12 +19,15 @@ from agentrl.algorithms.advantages import (
     register_advantage_estimator,
 )
 from agentrl.algorithms.filters import (
+    REJECTION_MODES,
     SolveCounts,
     build_masked_reasons,
     compact_filter_keep,
     compute_solve_counts,
     count_termination_reasons,
     rejection_keep_groups,
+    rejection_sample_keep,
+    solve_partial_keep_groups,
 )
 from agentrl.algorithms.kl import (
     KL_TYPES,
@@ -59,6 +62,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_TYPES",
     "LOSS_AGG_MODES",
+    "REJECTION_MODES",
     "STEPWISE_MODES",
     "AdvantageResult",
     "KLPenaltyResult",
@@ -96,5 +100,7 @@ __all__ = [
     "masked_mean",
     "masked_whiten",
     "rejection_keep_groups",
+    "rejection_sample_keep",
     "register_advantage_estimator",
+    "solve_partial_keep_groups",
 ]

@@ -3,9 +3,14 @@
 Compact filtering (rLLM's `compact_filtering`) drops episodes that ended for a reason the user
 marked with an `agent.compact_filtering.mask_*` flag, e.g. a response cut at the length limit,
 whose reward says more about the limit than about the policy. Rejection sampling
-(`agent.rejection_sample`, DAPO's dynamic sampling, Yu et al. 2025, arXiv:2503.14476) drops groups
-whose rewards are all equal: with a group baseline their advantages are all zero, so they only
-dilute the batch.
+(`agent.rejection_sample`) drops groups without learning signal, in one of two modes
+(`agent.rejection_sample.mode`):
+
+- `uniform_reward` (DAPO's dynamic sampling, Yu et al. 2025, arXiv:2503.14476): drop groups whose
+  rewards are all equal; with a group baseline their advantages are all zero.
+- `solve_partial` (rLLM's): keep only partially solved tasks, dropping those whose episodes are
+  all `is_correct` or none is. Rewards may still differ inside a dropped group (partial credit,
+  shaping); what counts is whether the task is solved.
 """
 
 from __future__ import annotations
@@ -20,13 +25,19 @@ from agentrl.algorithms._masked import index_groups
 from agentrl.types import TerminationReason
 
 __all__ = [
+    "REJECTION_MODES",
     "SolveCounts",
     "build_masked_reasons",
     "compact_filter_keep",
     "compute_solve_counts",
     "count_termination_reasons",
     "rejection_keep_groups",
+    "rejection_sample_keep",
+    "solve_partial_keep_groups",
 ]
+
+REJECTION_MODES = ("uniform_reward", "solve_partial")
+"""Valid values of `agent.rejection_sample.mode`."""
 
 _REASONS = tuple(r.value for r in TerminationReason)
 
@@ -112,9 +123,34 @@ def rejection_keep_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tor
     return (hi > lo)[inverse]
 
 
+def solve_partial_keep_groups(is_correct: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """keep (B,) bool: True for samples whose group (task) is partially solved.
+
+    is_correct: (B,) bool, one per episode; group_ids: (B,) long, the episode's task. A group is
+    kept when some but not all of its samples are correct (rLLM's rejection sampling): all-solved
+    and none-solved tasks are dropped whatever their rewards, and so is a group of one.
+    """
+    inverse, lo, hi = _group_min_max(is_correct.bool(), group_ids)
+    return ((lo == 0) & (hi == 1))[inverse]
+
+
+def rejection_sample_keep(
+    mode: str, *, rewards: torch.Tensor, is_correct: torch.Tensor, group_ids: torch.Tensor
+) -> torch.Tensor:
+    """keep (B,) bool for `agent.rejection_sample.mode`: `uniform_reward` looks at rewards (B,) float,
+    `solve_partial` at is_correct (B,) bool; group_ids (B,) long in both."""
+    if mode == "uniform_reward":
+        return rejection_keep_groups(rewards, group_ids)
+    if mode == "solve_partial":
+        return solve_partial_keep_groups(is_correct, group_ids)
+    raise ValueError(
+        f"unknown rejection sampling mode {mode!r} (agent.rejection_sample.mode); allowed: {', '.join(REJECTION_MODES)}"
+    )
+
+
 class SolveCounts(NamedTuple):
-    """Number of groups (not samples) by outcome: `batch/solve_all`, `batch/solve_none`,
-    `batch/solve_partial`."""
+    """Number of groups (not samples) by outcome; the controller logs each divided by their sum
+    (fractions of tasks, as rLLM does) as `batch/solve_all`, `batch/solve_none`, `batch/solve_partial`."""
 
     solve_all: int
     solve_none: int

@@ -94,12 +94,13 @@ def _check_group_size(cfg: AgentRLConfig) -> list[str]:
 
 
 def _check_rejection_sampling(cfg: AgentRLConfig) -> list[str]:
-    """Rejection sampling drops groups with equal rewards, so it needs actor_rollout_ref.rollout.n >= 2."""
+    """Rejection sampling (either mode) compares the episodes of a task, so it needs actor_rollout_ref.rollout.n >= 2."""
     n = cfg.actor_rollout_ref.rollout.n
     if cfg.agent.rejection_sample.enable and n < 2:
         return [
-            f"agent.rejection_sample.enable=true with actor_rollout_ref.rollout.n={n} would drop every group "
-            f"(a group of one always has equal rewards); set actor_rollout_ref.rollout.n>=2 or disable it"
+            f"agent.rejection_sample.enable=true with actor_rollout_ref.rollout.n={n} would drop every task "
+            f"(a lone episode's reward is uniform, and it is all solved or none); "
+            f"set actor_rollout_ref.rollout.n>=2 or disable it"
         ]
     return []
 

@@ -128,9 +128,11 @@ class StepwiseAdvantageConfig(_Section):
 
 class RejectionSampleConfig(_Section):
     enable: bool = False
-    """Drop groups whose rewards are all equal (all solved or none solved)."""
+    """Drop tasks without learning signal before the update (which ones: mode)."""
+    mode: Literal["uniform_reward", "solve_partial"] = "uniform_reward"
+    """`uniform_reward` drops tasks whose episodes' rewards are all equal; `solve_partial` (rLLM) keeps only tasks some but not all of whose episodes are is_correct."""
     multiplier: int = Field(1, ge=1)
-    """Oversample tasks by this factor so a batch survives rejection."""
+    """Most rollout rounds per step: new tasks are drawn until data.train_batch_size tasks survive or this many rounds ran."""
 
 
 class CompactFilteringConfig(_Section):

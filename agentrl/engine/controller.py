@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from agentrl.algorithms.filters import build_masked_reasons, compact_filter_keep, rejection_keep_groups
+from agentrl.algorithms.filters import build_masked_reasons, compact_filter_keep, rejection_sample_keep
 from agentrl.algorithms.kl import apply_kl_penalty_to_rewards
 from agentrl.checkpoint import (
     find_latest_checkpoint,
@@ -270,7 +270,11 @@ class Controller:
         return episodes
 
     def collect_training_episodes(self) -> tuple[list[Episode], list[Episode]]:
-        """All episodes of this step, and those kept for training (DAPO-style: refill when short)."""
+        """All episodes of this step, and those kept for training.
+
+        With rejection sampling, rounds of new tasks are drawn until data.train_batch_size tasks survive the
+        filters (partially solved ones under mode=solve_partial) or agent.rejection_sample.multiplier rounds ran.
+        """
         reject = self.config.agent.rejection_sample
         rounds = reject.multiplier if reject.enable else 1
         all_episodes: list[Episode] = []
@@ -298,8 +302,14 @@ class Controller:
             masked = build_masked_reasons(**compact.model_dump(exclude={"enable"}))
             keep = compact_filter_keep([e.termination_reason for e in episodes], masked)
             episodes = [e for e, k in zip(episodes, keep, strict=True) if k]
-        if self.config.agent.rejection_sample.enable and episodes:
-            keep = rejection_keep_groups(torch.tensor([e.reward for e in episodes]), group_ids_of(episodes))
+        reject = self.config.agent.rejection_sample
+        if reject.enable and episodes:
+            keep = rejection_sample_keep(
+                reject.mode,
+                rewards=torch.tensor([e.reward for e in episodes]),
+                is_correct=torch.tensor([e.is_correct for e in episodes]),
+                group_ids=group_ids_of(episodes),
+            )
             episodes = [e for e, k in zip(episodes, keep.tolist(), strict=True) if k]
         return episodes
 

@@ -37,19 +37,22 @@ def mean_evaluator_metrics(episodes: Sequence[Episode], prefix: str) -> dict[str
 
 
 def compute_episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Reward, correctness, termination reasons and solve counts of one step's rollouts."""
+    """Reward, correctness, termination reasons and solve fractions of one step's rollouts."""
     if not episodes:
         return {}
     metrics = _stats("critic/full-score", [e.reward for e in episodes])
     metrics["batch/accuracy"] = sum(e.is_correct for e in episodes) / len(episodes)
     for reason, count in count_termination_reasons([e.termination_reason for e in episodes]).items():
         metrics[f"batch/termination_reason/{reason}"] = count / len(episodes)
+    # Fractions of the step's tasks (rLLM's convention), so steps with refill rounds stay comparable.
     solve = compute_solve_counts(torch.tensor([e.is_correct for e in episodes]), group_ids_of(episodes))
+    num_tasks = sum(solve)
     metrics.update(
         {
-            "batch/solve_all": solve.solve_all,
-            "batch/solve_none": solve.solve_none,
-            "batch/solve_partial": solve.solve_partial,
+            "batch/solve_all": solve.solve_all / num_tasks,
+            "batch/solve_none": solve.solve_none / num_tasks,
+            "batch/solve_partial": solve.solve_partial / num_tasks,
+            "batch/num_tasks": float(num_tasks),
         }
     )
     metrics.update(_stats("episode/model_calls", [e.metrics.get("num_model_calls", 0.0) for e in episodes]))

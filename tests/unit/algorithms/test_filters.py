@@ -4,11 +4,14 @@ import pytest
 import torch
 
 from agentrl.algorithms import (
+    REJECTION_MODES,
     build_masked_reasons,
     compact_filter_keep,
     compute_solve_counts,
     count_termination_reasons,
     rejection_keep_groups,
+    rejection_sample_keep,
+    solve_partial_keep_groups,
 )
 from agentrl.types import TerminationReason
 
@@ -70,3 +73,25 @@ def test_compute_solve_counts_hand_case():
     counts = compute_solve_counts(is_correct, groups)
     assert counts == (2, 1, 1)
     assert (counts.solve_all, counts.solve_none, counts.solve_partial) == (2, 1, 1)
+
+
+def test_solve_partial_keep_groups_hand_case():
+    # group 0: [T, T] all solved -> drop; group 1: [F, F] none -> drop; group 2: [T, F] -> keep;
+    # group 3: [T] alone -> drop (all solved)
+    is_correct = torch.tensor([True, True, False, False, True, False, True])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3])
+    keep = solve_partial_keep_groups(is_correct, groups)
+    assert keep.tolist() == [False, False, False, False, True, True, False]
+
+
+def test_rejection_sample_keep_dispatches_on_mode_and_names_the_key():
+    rewards, is_correct, groups = torch.tensor([1.0, 0.5]), torch.tensor([True, True]), torch.tensor([0, 0])
+    assert rejection_sample_keep(
+        "uniform_reward", rewards=rewards, is_correct=is_correct, group_ids=groups
+    ).all()
+    assert not rejection_sample_keep(
+        "solve_partial", rewards=rewards, is_correct=is_correct, group_ids=groups
+    ).any()
+    assert REJECTION_MODES == ("uniform_reward", "solve_partial")
+    with pytest.raises(ValueError, match="agent.rejection_sample.mode"):
+        rejection_sample_keep("dapo", rewards=rewards, is_correct=is_correct, group_ids=groups)

@@ -12,11 +12,19 @@ import math
 import pytest
 import torch
 
-from agentrl.algorithms import build_masked_reasons, compact_filter_keep, compute_advantages
+from agentrl import EvalOutput, agent_flow, evaluator
+from agentrl.algorithms import (
+    build_masked_reasons,
+    compact_filter_keep,
+    compute_advantages,
+    rejection_sample_keep,
+)
 from agentrl.config import ConfigError, validate_config
 from agentrl.engine.assembly import episodes_to_rows, rows_to_batch
 from agentrl.engine.batch_advantages import compute_batch_advantages
-from agentrl.rollout.collector import CollectorLimits, classify_termination
+from agentrl.engine.controller import Controller
+from agentrl.engine.metrics import compute_episode_metrics
+from agentrl.rollout.collector import CollectorLimits, RolloutCollector, classify_termination
 from agentrl.types import Episode, Step, TerminationReason, Trace, Trajectory
 
 S2 = 1 / math.sqrt(2)
@@ -224,3 +232,126 @@ def test_case4_a_cut_off_middle_turn_ends_the_episode_as_max_response_length_exc
     assert clean == TerminationReason.ENV_DONE
     masked = build_masked_reasons(mask_max_response_length_exceeded=True)
     assert compact_filter_keep([cut, clean], masked) == [False, True]
+
+
+# Case 6: three kinds of task, two episodes each. The flow answers each task's scripted scores in turn; the
+# evaluator takes the score as reward and calls >= 0.5 correct.
+SCRIPT = {"all": [1.0, 0.5], "none": [0.0, 0.0], "partial": [1.0, 0.0]}
+
+
+def _scored_episodes(kinds: list[str]) -> list[Episode]:
+    episodes = []
+    for kind in kinds:
+        for reward in SCRIPT[kind]:
+            episodes.append(Episode(task_id=kind, reward=reward, is_correct=reward >= 0.5))
+    return episodes
+
+
+def test_case6_rejection_modes_and_solve_fractions():
+    """uniform_reward drops tasks with equal rewards; solve_partial drops all-solved and none-solved tasks.
+
+    Tasks: "all" (rewards [1, 0.5], both correct), "none" ([0, 0]), "partial" ([1, 0], one correct).
+        uniform_reward: all (1 != 0.5) kept, none dropped, partial kept   -> keep [T, T, F, F, T, T]
+        solve_partial:  all dropped (all solved), none dropped, partial kept -> keep [F, F, F, F, T, T]
+        solve fractions over the 3 tasks: solve_all 1/3, solve_none 1/3, solve_partial 1/3
+    """
+    episodes = _scored_episodes(["all", "none", "partial"])
+    inputs = dict(
+        rewards=torch.tensor([e.reward for e in episodes]),
+        is_correct=torch.tensor([e.is_correct for e in episodes]),
+        group_ids=torch.tensor([0, 0, 1, 1, 2, 2]),
+    )
+    assert rejection_sample_keep("uniform_reward", **inputs).tolist() == [
+        True,
+        True,
+        False,
+        False,
+        True,
+        True,
+    ]
+    assert rejection_sample_keep("solve_partial", **inputs).tolist() == [
+        False,
+        False,
+        False,
+        False,
+        True,
+        True,
+    ]
+    metrics = compute_episode_metrics(episodes)
+    fractions = (metrics["batch/solve_all"], metrics["batch/solve_none"], metrics["batch/solve_partial"])
+    assert fractions == pytest.approx((1 / 3, 1 / 3, 1 / 3))
+    assert metrics["batch/num_tasks"] == 3
+
+
+class _NoGateway:
+    """A session backend for flows that never call the model: no traces, nothing refused."""
+
+    def open_session(self, session_id: str, mode: str, max_calls: int | None = None) -> str:
+        return "http://127.0.0.1:9/v1"
+
+    def refused_calls(self, session_id: str) -> int:
+        return 0
+
+    def session_traces(self, session_id: str) -> list:
+        return []
+
+    def close_session(self, session_id: str) -> None:
+        pass
+
+
+def _refill_controller(tmp_path, kinds: list[str], mode: str, multiplier: int) -> Controller:
+    answered: dict[str, int] = {}
+
+    @agent_flow
+    async def scripted(task, ctx):
+        count = answered.get(task.id, 0)
+        answered[task.id] = count + 1
+        return str(SCRIPT[task["kind"]][count % 2])
+
+    @evaluator
+    def score(task, episode):
+        reward = float(episode.answer)
+        return EvalOutput(reward=reward, is_correct=reward >= 0.5)
+
+    config = validate_config(
+        {
+            "data": {"train_batch_size": 2, "shuffle": False},
+            "actor_rollout_ref": {"rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 2}},
+            "agent": {"rejection_sample": {"enable": True, "mode": mode, "multiplier": multiplier}},
+            "trainer": {"default_local_dir": str(tmp_path)},
+        }
+    )
+    rows = [{"kind": kind, "extra_info": {"index": i}} for i, kind in enumerate(kinds)]
+    controller = Controller(config, scripted, score, rows, None)
+    controller.collector = RolloutCollector(_NoGateway(), "policy", CollectorLimits())
+    controller.n = 2
+    return controller
+
+
+# Rounds of train_batch_size=2 tasks: [all, partial], [none, none], [partial, all], [partial, partial]
+ROUNDS = ["all", "partial", "none", "none", "partial", "all", "partial", "partial"]
+
+
+def test_case6_controller_refills_until_enough_partially_solved_tasks(tmp_path):
+    """solve_partial with multiplier 3: round 1 gives 1 partial task, round 2 none, round 3 one more.
+
+    After round 3 the 2 (= data.train_batch_size) partially solved tasks are there, so it stops: 3 rounds,
+    12 episodes collected, 4 kept (tasks 1 and 4). uniform_reward keeps task 0 ("all": rewards 1 and 0.5
+    differ) next to task 1 and stops after round 1.
+    """
+    controller = _refill_controller(tmp_path, ROUNDS, "solve_partial", multiplier=3)
+    collected, kept = controller.collect_training_episodes()
+    assert len(collected) == 12
+    assert sorted({e.task_id for e in kept}) == ["train-1", "train.r2-4"]
+    assert len(kept) == 4
+    controller = _refill_controller(tmp_path, ROUNDS, "uniform_reward", multiplier=3)
+    collected, kept = controller.collect_training_episodes()
+    assert len(collected) == 4 and sorted({e.task_id for e in kept}) == ["train-0", "train-1"]
+
+
+def test_case6_controller_stops_at_multiplier_rounds(tmp_path):
+    """solve_partial with multiplier 2: rounds 1 and 2 give one partially solved task; it stops there."""
+    controller = _refill_controller(tmp_path, ROUNDS, "solve_partial", multiplier=2)
+    collected, kept = controller.collect_training_episodes()
+    assert len(collected) == 8
+    assert {e.task_id for e in kept} == {"train-1"}

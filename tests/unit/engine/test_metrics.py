@@ -25,11 +25,13 @@ def test_episode_metrics_reward_solve_counts_and_evaluator_metrics():
     ]
     metrics = compute_episode_metrics(episodes)
     assert metrics["critic/full-score/mean"] == 3 / 5
+    # fractions of the 3 tasks: a all solved, b partially, c none
     assert (metrics["batch/solve_all"], metrics["batch/solve_partial"], metrics["batch/solve_none"]) == (
-        1,
-        1,
-        1,
+        1 / 3,
+        1 / 3,
+        1 / 3,
     )
+    assert metrics["batch/num_tasks"] == 3
     assert metrics["batch/termination_reason/env_done"] == 1.0
     assert metrics["batch/has_answer"] == 3 / 5
 
