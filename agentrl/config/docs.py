@@ -62,6 +62,12 @@ actor_rollout_ref:
 Hydra's search path. A file without a defaults list is a complete config, like the `config.yaml`
 that `save_resolved_config` writes into each run folder. Precedence: main YAML < the file < overrides.
 
+**rLLM key names.** `rllm.stepwise_advantage.*`, `rllm.rejection_sample.*` and `rllm.compact_filtering.*`
+are aliases of the `agent.*` keys of the same name, on the command line
+(`rllm.stepwise_advantage.enable=true rllm.stepwise_advantage.mode=broadcast`) and as an `rllm:` section of
+a config file. The same key given under both names with different values is an error naming both; a
+command-line `agent.*` override still beats a file's `rllm.*` value. Other `rllm.*` keys are refused.
+
 **Errors.** Unknown keys, bad values and broken cross-field rules are all reported at once in one
 `ConfigError`; each message names the dotted key, the value it got and what is allowed, and an
 unknown key comes with the closest valid one (`did you mean actor_rollout_ref.model.path?`).

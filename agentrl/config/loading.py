@@ -18,6 +18,9 @@ file is usually a set of changes on top of the main config, through Hydra's defa
 The main config folder is on Hydra's search path, so `agent_ppo_trainer` resolves from anywhere.
 A file without a defaults list is taken as a complete config (what `save_resolved_config` writes).
 Precedence: main YAML < the file at config_path < command-line overrides.
+
+rLLM's key names `rllm.stepwise_advantage.*`, `rllm.rejection_sample.*` and `rllm.compact_filtering.*`
+are accepted, in overrides and in files, as the `agent.*` keys of the same name (see `aliases.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import yaml
 from pydantic import ValidationError
 
 from agentrl.config._base import package_path
+from agentrl.config.aliases import fold_alias_section, given_agent_keys, translate_override_aliases
 from agentrl.config.errors import ConfigError
 from agentrl.config.problems import describe_unknown_key, format_validation_errors, schema_keys
 from agentrl.config.schema import AgentRLConfig
@@ -76,7 +80,7 @@ def load_config(overrides: Sequence[str] = (), config_path: str | os.PathLike | 
     if isinstance(overrides, str):
         raise TypeError(f"overrides must be a list of 'key=value' strings, got the string {overrides!r}")
     register_resolvers()
-    overrides = list(overrides)
+    overrides = translate_override_aliases(overrides)
     main_dir = config_dir()
     if config_path is None:
         search_dir, name = main_dir, CONFIG_NAME
@@ -89,7 +93,16 @@ def load_config(overrides: Sequence[str] = (), config_path: str | os.PathLike | 
             overrides.append(f"hydra.searchpath=['file://{main_dir}']")
     _check_override_keys(overrides, [main_dir, search_dir])
     composed = _compose(search_dir, name, overrides)
-    return validate_config(_to_container(composed))
+    data = _to_container(composed)
+    if "rllm" in data:  # a file's rLLM-style section: fold it with what the file and the command line set
+        written = (
+            yaml.safe_load(Path(config_path).expanduser().read_text()) if config_path is not None else None
+        )
+        overridden = {o.lstrip("+").split("=", 1)[0] for o in overrides if o.lstrip("+").startswith("agent.")}
+        data = fold_alias_section(
+            data, given=given_agent_keys(written if isinstance(written, dict) else {}), overridden=overridden
+        )
+    return validate_config(data)
 
 
 def import_from_spec(spec: str, key: str) -> Any:
@@ -117,7 +130,12 @@ def import_from_spec(spec: str, key: str) -> Any:
 
 
 def validate_config(data: Mapping[str, Any]) -> AgentRLConfig:
-    """Validate a plain nested dict; pydantic's errors become one ConfigError that names each key."""
+    """Validate a plain nested dict; pydantic's errors become one ConfigError that names each key.
+
+    An `rllm:` section is read as the `agent.*` keys it aliases (an error where both set a key differently).
+    """
+    if "rllm" in data:
+        data = fold_alias_section(data, given=given_agent_keys(data))
     try:
         return AgentRLConfig.model_validate(data)
     except ValidationError as exc:
