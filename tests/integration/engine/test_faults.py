@@ -125,11 +125,11 @@ def test_rows_sharing_an_index_are_scored_and_grouped_as_separate_tasks(tmp_path
     ).train()
     for record in [r for r in _history(run_dir) if r["step"] > 0]:
         assert record["batch/evaluator_errors"] == 0.0
-        # 4 tasks of 2 samples: labels 0, 1, 0, 1 -> two all-correct and two all-wrong groups.
+        # 4 tasks of 2 samples: labels 0, 1, 0, 1 -> two all-correct and two all-wrong groups (fractions of 4).
         assert (record["batch/solve_all"], record["batch/solve_none"], record["batch/solve_partial"]) == (
-            2,
-            2,
-            0,
+            0.5,
+            0.5,
+            0.0,
         )
 
 
