@@ -41,7 +41,7 @@ from agentrl.engine.metrics import (
     group_ids_of,
 )
 from agentrl.engine.policy_worker import PolicyWorker
-from agentrl.engine.worker_group import build_worker_group
+from agentrl.engine.worker_group import LocalWorkerGroup, WorkerGroup
 from agentrl.evaluator import Evaluator, score_episode
 from agentrl.flow import AgentFlow
 from agentrl.rollout.collector import CollectorLimits, RolloutCollector
@@ -77,6 +77,39 @@ def rows_to_tasks(rows: Sequence[dict], prefix: str) -> list[Task]:
     return tasks
 
 
+def build_worker_groups(
+    cfg: Any, total_steps: int, device: str
+) -> tuple[WorkerGroup, WorkerGroup | None, Any]:
+    """Policy and (for GAE) critic worker groups on `trainer.backend`, and the Ray cluster that holds them."""
+    gae = cfg.algorithm.adv_estimator == "gae"
+    kwargs = {"config": cfg, "total_steps": total_steps}
+    if cfg.trainer.backend == "local":
+        critic = LocalWorkerGroup(CriticWorker(**kwargs, device=device)) if gae else None
+        return LocalWorkerGroup(PolicyWorker(**kwargs, device=device)), critic, None
+    from agentrl.engine.ray_cluster import RayCluster
+
+    cluster = RayCluster(cfg, device)
+    try:
+        pools = cfg.resource_pool_config
+        policy_devices = pools.actor_rollout_gpus or cluster.world
+        critic_devices = pools.critic_gpus or policy_devices
+        share = 0.5 if gae else 1.0
+        policy = cluster.worker_group(
+            PolicyWorker, devices=policy_devices, share=share, name="policy", **kwargs
+        )
+        policy.call("tokenizer_pad_id")  # wait until every rank is built; errors surface here
+        critic = None
+        if gae:
+            critic = cluster.worker_group(
+                CriticWorker, devices=critic_devices, share=share, name="critic", **kwargs
+            )
+            critic.call("ready")
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return policy, critic, cluster
+
+
 class Controller:
     """Runs RL training of `flow` scored by `evaluator` on the configured workers and engines."""
 
@@ -105,6 +138,7 @@ class Controller:
         self.initial_val_metrics: dict[str, float] = {}
         self.policy = None
         self.critic = None
+        self.cluster = None
         self.stack = None
         self.tracker = None
 
@@ -118,13 +152,7 @@ class Controller:
             else ("cuda" if torch.cuda.is_available() else "cpu")
         )
         torch.manual_seed(cfg.trainer.seed)
-        self.policy = build_worker_group(
-            cfg.trainer.backend, PolicyWorker, config=cfg, total_steps=self.total_steps, device=device
-        )
-        if cfg.algorithm.adv_estimator == "gae":
-            self.critic = build_worker_group(
-                cfg.trainer.backend, CriticWorker, config=cfg, total_steps=self.total_steps, device=device
-            )
+        self.policy, self.critic, self.cluster = build_worker_groups(cfg, self.total_steps, device)
         resume_from = resolve_resume_checkpoint(
             cfg.trainer.resume_mode, self.run_dir / "checkpoints", cfg.trainer.resume_from_path
         )
@@ -208,11 +236,15 @@ class Controller:
         cfg = self.config
         metrics: dict[str, float] = {}
         self.policy.call("sleep_rollout")
-        with _timer(timing, "old_log_prob"):
-            batch.tensors.update(self.policy.call_first("compute_log_prob", batch))
+        balance = cfg.actor_rollout_ref.actor.use_dynamic_bsz
+        if self.needs_old_log_probs():
+            with _timer(timing, "old_log_prob"):
+                batch.tensors.update(self.policy.dispatch("compute_log_prob", batch, balance_tokens=balance))
         if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             with _timer(timing, "ref"):
-                batch["ref_log_probs"] = self.policy.call_first("compute_ref_log_prob", batch)
+                batch["ref_log_probs"] = self.policy.dispatch(
+                    "compute_ref_log_prob", batch, balance_tokens=balance
+                )
         if cfg.algorithm.use_kl_in_reward:
             shaped = apply_kl_penalty_to_rewards(
                 batch.token_rewards,
@@ -226,7 +258,7 @@ class Controller:
             metrics["actor/reward_kl_penalty"] = float(shaped.kl_mean)
         if self.critic is not None:
             with _timer(timing, "values"):
-                batch["values"] = self.critic.call_first("compute_values", batch)
+                batch["values"] = self.critic.dispatch("compute_values", batch, balance_tokens=balance)
         with _timer(timing, "adv"):
             stepwise = cfg.agent.stepwise_advantage
             result = compute_batch_advantages(
@@ -241,9 +273,9 @@ class Controller:
             batch["advantages"], batch["returns"] = result.advantages, result.returns
         if self.critic is not None:
             with _timer(timing, "update_critic"):
-                metrics.update(self.critic.call_first("update_critic", batch))
+                metrics.update(self.critic.dispatch("update_critic", batch, balance_tokens=balance))
         with _timer(timing, "update_actor"):
-            metrics.update(self.policy.call_first("update_actor", batch))
+            metrics.update(self.policy.dispatch("update_actor", batch, balance_tokens=balance))
         self.policy.call("wake_rollout")
         with _timer(timing, "sync_weights"):
             metrics.update(self.policy.call_first("sync_weights"))
@@ -253,6 +285,14 @@ class Controller:
     # ---- rollouts ---------------------------------------------------------------------------------
     def next_tasks(self, prefix: str = "train") -> list[Task]:
         return rows_to_tasks(next(self.loader), prefix)
+
+    def needs_old_log_probs(self) -> bool:
+        """False when the update is on-policy (one epoch, one mini-batch, no KL in the reward): the actor's
+        log-probs before its only optimizer step are then the old ones, and the update measures them itself."""
+        cfg = self.config
+        actor = cfg.actor_rollout_ref.actor
+        one_mini = actor.ppo_mini_batch_size >= cfg.data.train_batch_size
+        return not (actor.ppo_epochs == 1 and one_mini and not cfg.algorithm.use_kl_in_reward)
 
     def run_episodes(self, tasks: list[Task], n: int, mode: str, desc: str) -> list[Episode]:
         """Collect `n` rollouts per task and score them; failed rollouts are kept, unscored."""
@@ -377,10 +417,10 @@ class Controller:
     def close(self, status: str = "FINISHED") -> None:
         """Stop servers and workers and end the tracked run as `status` (FINISHED, FAILED, KILLED);
         safe to call more than once."""
-        for part in (self.stack, self.policy, self.critic):
+        for part in (self.stack, self.policy, self.critic, self.cluster):
             if part is not None:
                 part.shutdown()
-        self.stack = self.policy = self.critic = None
+        self.stack = self.policy = self.critic = self.cluster = None
         if self.tracker is not None:
             self.tracker.finish(status=status)
             self.tracker = None
