@@ -119,14 +119,9 @@ def environment_problems(config: AgentRLConfig) -> list[str]:
 
 
 def unsupported_settings(config: AgentRLConfig) -> list[str]:
-    """Valid settings this version cannot honour yet: refused up front, never silently ignored."""
-    arr, later = config.actor_rollout_ref, "needs the FSDP/Ray worker group, not available in this version"
+    """Valid settings this version cannot honour: refused up front, never silently ignored."""
+    arr = config.actor_rollout_ref
     problems = []
-    if config.trainer.backend != "local":
-        problems.append(
-            f"trainer.backend={config.trainer.backend}: only the local worker group is available in "
-            "this version; use trainer.backend=local (one device)"
-        )
     if config.data.return_multi_modal_inputs:
         problems.append(
             "data.return_multi_modal_inputs=true: vision-language training is not available in this "
@@ -136,18 +131,29 @@ def unsupported_settings(config: AgentRLConfig) -> list[str]:
         problems.append(
             "actor_rollout_ref.hybrid_engine=false: only the colocated actor+rollout is available"
         )
-    offloads = {
+    if config.trainer.backend == "ray":
+        pools = config.resource_pool_config
+        if pools.ref_gpus is not None and pools.ref_gpus != (pools.actor_rollout_gpus or pools.ref_gpus):
+            problems.append(
+                f"resource_pool_config.ref_gpus={pools.ref_gpus}: the reference policy lives in the policy "
+                f"workers (colocated); leave it null or equal to resource_pool_config.actor_rollout_gpus"
+            )
+        return problems
+    sharded_only = {
         "actor_rollout_ref.actor.fsdp_config.param_offload": arr.actor.fsdp_config.param_offload,
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload": arr.actor.fsdp_config.optimizer_offload,
         "actor_rollout_ref.ref.fsdp_config.param_offload": arr.ref.fsdp_config.param_offload,
         "critic.fsdp_config.param_offload": config.critic.fsdp_config.param_offload,
         "critic.fsdp_config.optimizer_offload": config.critic.fsdp_config.optimizer_offload,
     }
-    problems += [f"{key}=true: offload {later}" for key, on in offloads.items() if on]
-    pools = config.resource_pool_config
     problems += [
-        f"resource_pool_config.{name}={value}: placement {later}"
-        for name, value in pools.model_dump().items()
+        f"{key}=true: offload works on FSDP2-sharded workers; set trainer.backend=ray"
+        for key, on in sharded_only.items()
+        if on
+    ]
+    problems += [
+        f"resource_pool_config.{name}={value}: placement needs trainer.backend=ray"
+        for name, value in config.resource_pool_config.model_dump().items()
         if value is not None
     ]
     return problems

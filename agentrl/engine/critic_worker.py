@@ -1,4 +1,7 @@
-"""CriticWorker: a value model for GAE, trained with the clipped value loss. A class of its own (no role flag)."""
+"""CriticWorker: a value model for GAE, trained with the clipped value loss. A class of its own (no role flag).
+
+Like the policy worker it runs whole in one process, or FSDP2-sharded as one rank of a Ray worker group.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from agentrl.algorithms.losses import compute_value_loss
 from agentrl.engine.assembly import TrainBatch
 from agentrl.engine.forward import compute_values
+from agentrl.engine.fsdp import shard_model
+from agentrl.engine.model_state import load_model, save_model
 from agentrl.engine.optim import build_lr_scheduler, build_optimizer
 from agentrl.engine.ppo_update import run_ppo_updates
 from agentrl.models import resolve_model_path
@@ -33,12 +39,21 @@ class CriticWorker:
         critic_cfg = config.critic
         path = resolve_model_path(critic_cfg.model.path or config.actor_rollout_ref.model.path)
         self.device = torch.device(device)
-        self.model = load_value_model(path, config.actor_rollout_ref.model.dtype, device)
+        self.sharded = dist.is_initialized()
+        offload = critic_cfg.fsdp_config.param_offload
+        dtype = config.actor_rollout_ref.model.dtype
+        mixed = self.sharded and self.device.type == "cuda" and dtype != "float32"
+        self.model = load_value_model(path, "float32" if mixed else dtype, "cpu" if offload else device)
         if critic_cfg.model.enable_gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.sharded:
+            shard_model(self.model, compute_dtype=_DTYPES[dtype] if mixed else None, offload=offload)
         self.optimizer = build_optimizer(self.model.parameters(), critic_cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, critic_cfg.optim, total_steps)
         self.generator = torch.Generator().manual_seed(config.trainer.seed + 1)
+
+    def ready(self) -> bool:
+        return True
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
@@ -87,17 +102,19 @@ class CriticWorker:
 
     def save(self, folder: Path) -> None:
         folder = Path(folder)
-        self.model.save_pretrained(folder / "critic")
-        torch.save(
-            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-            folder / "critic_optim.pt",
-        )
+        save_model(self.model, self.optimizer, folder, "critic")
+        state = {"scheduler": self.scheduler.state_dict(), "generator": self.generator.get_state()}
+        if not self.sharded:
+            state["optimizer"] = self.optimizer.state_dict()
+        if not self.sharded or dist.get_rank() == 0:
+            torch.save(state, folder / "critic_optim.pt")
 
     def load(self, folder: Path) -> None:
-        from safetensors.torch import load_file
-
-        state_dict = load_file(Path(folder) / "critic" / "model.safetensors")
-        self.model.load_state_dict(state_dict, strict=False)
-        state = torch.load(Path(folder) / "critic_optim.pt", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        folder = Path(folder)
+        with_optimizer = load_model(self.model, self.optimizer, folder, "critic")
+        state = torch.load(folder / "critic_optim.pt", weights_only=True)
+        if not with_optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if "generator" in state:
+            self.generator.set_state(state["generator"])

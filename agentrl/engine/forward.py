@@ -11,6 +11,7 @@ import torch
 
 from agentrl.algorithms.losses import compute_entropy_from_logits, compute_token_log_probs
 from agentrl.engine.assembly import TrainBatch
+from agentrl.engine.fsdp import compute_device
 
 
 def _shift_right(values: torch.Tensor) -> torch.Tensor:
@@ -22,7 +23,7 @@ def compute_log_probs(
     model: torch.nn.Module, batch: TrainBatch, *, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, L) log-probs of each token under `model`, and (B, L) entropies when asked."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     input_ids = batch.input_ids.to(device)
     attention = batch.attention_mask.to(device)
     logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits[:, :-1].float()
@@ -33,7 +34,7 @@ def compute_log_probs(
 
 def compute_values(critic: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
     """(B, L) value of the state before each token, from a token-classification head with one label."""
-    device = next(critic.parameters()).device
+    device = compute_device(critic)
     out = critic(
         input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), use_cache=False
     ).logits

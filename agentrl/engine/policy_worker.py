@@ -3,27 +3,44 @@
 The hybrid engine: the worker trains the actor and serves the same policy from its rollout backend (the
 embedded engine or vLLM servers, `actor_rollout_ref.rollout.name`), syncing weights between phases and
 checking that the served weights are the ones it trained (`agentrl.engine.weight_sync`).
+
+The same class runs alone (the local backend: one process, whole modules) and as one rank of a Ray worker
+group, where a process group is already up when it is built: then actor and reference are sharded with FSDP2
+(`agentrl.engine.fsdp`), each rank trains on its share of the batch and serves the policy from its own
+engine (data-parallel rollout), and weights stream from the shards into that engine tensor by tensor.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from agentrl.algorithms.kl import compute_kl_penalty
 from agentrl.algorithms.losses import aggregate_loss, compute_policy_loss
 from agentrl.engine.assembly import TrainBatch
 from agentrl.engine.forward import compute_log_probs
+from agentrl.engine.fsdp import shard_model
 from agentrl.engine.lora import adapters_disabled, apply_lora, is_lora_model
+from agentrl.engine.model_state import load_model, save_full_weights, save_model
 from agentrl.engine.optim import build_lr_scheduler, build_optimizer
 from agentrl.engine.ppo_update import run_ppo_updates
 from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
 
 log = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Optimizer offload: Adam moments live on the CPU between steps and come to the device for the step."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
 
 
 class PolicyWorker:
@@ -33,29 +50,57 @@ class PolicyWorker:
         arr = config.actor_rollout_ref
         self.config = config
         self.device = torch.device(device)
+        self.sharded = dist.is_initialized()
         self.model_path = resolve_model_path(arr.model.path)
         self.tokenizer = load_tokenizer(arr.model.tokenizer_path or self.model_path)
-        actor = load_causal_lm(self.model_path, dtype=arr.model.dtype, device=device)
-        if arr.model.enable_gradient_checkpointing:
-            actor.gradient_checkpointing_enable()
-            actor.config.use_cache = False
-        if arr.model.lora_rank > 0:
-            actor = apply_lora(
-                actor,
+        self.actor = self._load_policy(trainable=True, offload=arr.actor.fsdp_config.param_offload)
+        self.needs_ref = arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward
+        self.ref = None
+        if self.needs_ref and not is_lora_model(self.actor):
+            # Loaded from its path (never a copy of a sharded module); a warm start copies the actor in.
+            self.ref = self._load_policy(trainable=False, offload=arr.ref.fsdp_config.param_offload)
+        self.optimizer = build_optimizer(self.actor.parameters(), arr.actor.optim)
+        self.scheduler = build_lr_scheduler(self.optimizer, arr.actor.optim, total_steps)
+        self.optimizer_offload = (
+            self.sharded
+            and arr.actor.fsdp_config.optimizer_offload
+            and not arr.actor.fsdp_config.param_offload
+        )
+        self.generator = torch.Generator().manual_seed(config.trainer.seed)
+        self.rollout = None
+
+    def _load_policy(self, *, trainable: bool, offload: bool) -> torch.nn.Module:
+        """The policy from `model.path`: whole on this device, or FSDP2-sharded over the worker group.
+
+        Sharded on a GPU with a low-precision `model.dtype`, master weights are float32 and compute runs in
+        that dtype (FSDP mixed precision); whole, the model trains in `model.dtype` itself.
+        """
+        arr = self.config.actor_rollout_ref
+        compute_dtype = _DTYPES[arr.model.dtype]
+        mixed = self.sharded and self.device.type == "cuda" and compute_dtype != torch.float32
+        load_device = "cpu" if offload else str(self.device)
+        model = load_causal_lm(
+            self.model_path, dtype="float32" if mixed else arr.model.dtype, device=load_device
+        )
+        if trainable and arr.model.enable_gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        if trainable and arr.model.lora_rank > 0:
+            model = apply_lora(
+                model,
                 rank=arr.model.lora_rank,
                 alpha=arr.model.lora_alpha,
                 target_modules=arr.model.target_modules,
             )
-        self.actor = actor
-        needs_ref = arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward
-        self.ref = None
-        if needs_ref and not is_lora_model(actor):
-            self.ref = copy.deepcopy(actor).eval().requires_grad_(False)
-        self.needs_ref = needs_ref
-        self.optimizer = build_optimizer(self.actor.parameters(), arr.actor.optim)
-        self.scheduler = build_lr_scheduler(self.optimizer, arr.actor.optim, total_steps)
-        self.generator = torch.Generator().manual_seed(config.trainer.seed)
-        self.rollout = None
+        if not trainable:
+            model.eval().requires_grad_(False)
+        if self.sharded:
+            shard_model(model, compute_dtype=compute_dtype if mixed else None, offload=offload)
+        return model
+
+    def pid(self) -> int:
+        """The process holding this worker (to find a rank's process from the controller)."""
+        return os.getpid()
 
     def tokenizer_pad_id(self) -> int:
         return int(
@@ -78,7 +123,9 @@ class PolicyWorker:
             prompt_key=self.config.data.prompt_key,
         )
         if self.ref is not None:
-            self.ref = copy.deepcopy(self.actor).eval().requires_grad_(False)
+            with torch.no_grad():  # same architecture and sharding: copy shard by shard
+                for ref_param, param in zip(self.ref.parameters(), self.actor.parameters(), strict=True):
+                    ref_param.copy_(param)
         return metrics
 
     # ---- rollout side -------------------------------------------------------------------------------
@@ -99,7 +146,11 @@ class PolicyWorker:
         arr = self.config.actor_rollout_ref
         served_dtype = arr.rollout.vllm.dtype if arr.rollout.name == "vllm" else arr.model.dtype
         return sync_rollout_weights(
-            self.actor, self.rollout, self.tokenizer, dtypes=(arr.model.dtype, served_dtype)
+            self.actor,
+            self.rollout,
+            self.tokenizer,
+            dtypes=(arr.model.dtype, served_dtype),
+            served_dtype=_DTYPES.get(served_dtype),
         )
 
     def sleep_rollout(self) -> None:
@@ -129,7 +180,7 @@ class PolicyWorker:
 
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:
         """PPO epochs over mini-batches; one optimizer step per mini-batch; one LR step per call."""
-        return run_ppo_updates(
+        metrics = run_ppo_updates(
             batch,
             self._actor_loss,
             model=self.actor,
@@ -141,15 +192,24 @@ class PolicyWorker:
             shuffle=self.config.actor_rollout_ref.actor.shuffle,
             remove_padding=self.config.actor_rollout_ref.model.use_remove_padding,
             prefix="actor",
+            on_optimizer_step=self._optimizer_state_to_device if self.optimizer_offload else None,
         )
+        if self.optimizer_offload:
+            _move_optimizer_state(self.optimizer, torch.device("cpu"))
+        return metrics
+
+    def _optimizer_state_to_device(self) -> None:
+        _move_optimizer_state(self.optimizer, self.device)
 
     def _actor_loss(self, micro: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config.actor_rollout_ref.actor
         mask = micro.response_mask.to(self.device)
         log_probs, entropy = compute_log_probs(self.actor, micro, with_entropy=True)
+        # On-policy (one epoch, one mini-batch) the old policy is the current one: no separate forward.
+        old = micro.tensors.get("old_log_probs")
         result = compute_policy_loss(
             log_probs,
-            micro["old_log_probs"].to(self.device),
+            log_probs.detach() if old is None else old.to(self.device),
             micro["advantages"].to(self.device),
             mask,
             clip_ratio_low=cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio,
@@ -194,42 +254,31 @@ class PolicyWorker:
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def save(self, folder: Path) -> None:
-        """Model (or adapter) in HF format plus optimizer and scheduler state."""
+        """Model (HF format, or DCP shards under FSDP2) plus optimizer, scheduler and sampler state."""
         folder = Path(folder)
-        self.actor.save_pretrained(folder / "actor")
-        self.tokenizer.save_pretrained(folder / "actor")
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "generator": self.generator.get_state(),
-            },
-            folder / "actor_optim.pt",
-        )
+        save_model(self.actor, self.optimizer, folder, "actor")
+        rank = dist.get_rank() if self.sharded else 0
+        if rank == 0:
+            self.tokenizer.save_pretrained(folder / "actor")
+        state = {"scheduler": self.scheduler.state_dict(), "generator": self.generator.get_state()}
+        if not self.sharded:
+            state["optimizer"] = self.optimizer.state_dict()
+        if rank == 0:
+            torch.save(state, folder / "actor_optim.pt")
 
     def load(self, folder: Path) -> None:
-        from safetensors.torch import load_file
-
-        folder = Path(folder) / "actor"
-        if is_lora_model(self.actor):
-            from peft import set_peft_model_state_dict
-
-            set_peft_model_state_dict(self.actor, load_file(folder / "adapter_model.safetensors"))
-        else:
-            missing, unexpected = self.actor.load_state_dict(
-                load_file(folder / "model.safetensors"), strict=False
-            )
-            tied = {"lm_head.weight"} if self.actor.config.tie_word_embeddings else set()
-            if set(missing) - tied or unexpected:
-                raise RuntimeError(
-                    f"checkpoint {folder} does not fit the actor: missing {missing}, unexpected {unexpected}"
-                )
-        state = torch.load(folder.parent / "actor_optim.pt", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        folder = Path(folder)
+        with_optimizer = load_model(self.actor, self.optimizer, folder, "actor")
+        state = torch.load(folder / "actor_optim.pt", weights_only=True)
+        if not with_optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])
 
     def export(self, folder: Path) -> None:
+        if self.sharded:
+            save_full_weights(self.actor, self.tokenizer, folder)
+            return
         from agentrl.checkpoint import export_hf_model
 
         export_hf_model(self.actor, self.tokenizer, folder)

@@ -1,8 +1,14 @@
 """The optimisation loop the actor and the critic share: PPO epochs over mini-batches of micro-batches.
 
-One optimizer step per mini-batch (gradients accumulated over its micro-batches, each weighted by its share
-of the rows), gradient clipping, a skipped step on a non-finite gradient norm, one LR-schedule step per call.
-Each worker supplies only its loss.
+One optimizer step per mini-batch, gradient clipping, a skipped step on a non-finite gradient norm, one
+LR-schedule step per call. Each worker supplies only its loss.
+
+The loss is normalised over the global mini-batch, as verl does: each micro-batch's loss (a mean over its own
+tokens, or rows for the seq-mean modes) is weighted by its share of the mini-batch's tokens (or rows) on all
+ranks. A token in a short micro-batch then weighs exactly what a token in a long one weighs, and 1 rank and N
+ranks compute the same loss on the same batch. FSDP averages gradients over ranks, so each rank's share is
+multiplied by the world size. Logged stats are weighted the same way and summed over ranks: `actor/pg_loss`
+is the loss of the whole mini-batch, whatever the split.
 """
 
 from __future__ import annotations
@@ -14,11 +20,26 @@ from typing import Any
 import torch
 
 from agentrl.engine.assembly import TrainBatch
+from agentrl.engine.distributed import all_reduce_max_int, all_reduce_sum, all_reduce_sum_dict, world_size
 from agentrl.engine.packing import split_micro_batches, split_mini_batches
 
 log = logging.getLogger(__name__)
 
 MicroLoss = Callable[[TrainBatch], tuple[torch.Tensor, dict[str, float]]]
+
+
+def loss_units(response_mask: torch.Tensor, loss_agg_mode: str) -> float:
+    """What the loss averages over: response tokens (token-mean) or rows with a response token (seq-mean-*)."""
+    if loss_agg_mode == "token-mean":
+        return float(response_mask.sum())
+    return float(response_mask.any(dim=-1).sum())
+
+
+def _zero_weight_micro(batch: TrainBatch, rows: torch.Tensor) -> TrainBatch:
+    """A one-row micro-batch that trains nothing: keeps ranks in step when one has fewer micro-batches."""
+    micro = batch.select(rows[:1])
+    micro.response_mask = torch.zeros_like(micro.response_mask)
+    return micro
 
 
 def run_ppo_updates(
@@ -34,45 +55,64 @@ def run_ppo_updates(
     shuffle: bool,
     remove_padding: bool,
     prefix: str,
+    on_optimizer_step: Callable[[], Any] | None = None,
 ) -> dict[str, float]:
-    """Update `model` on `batch`; `section` is the actor or critic config (ppo_* keys, grad_clip).
+    """Update `model` on this rank's share of the batch; `section` is the actor or critic config.
 
-    Returns the mean of `micro_loss`'s stats over micro-batches, `{prefix}/grad_norm` averaged over optimizer
-    steps, `{prefix}/lr`, and `{prefix}/skipped_steps` when a non-finite gradient skipped a step.
+    Returns the stats of `micro_loss` weighted over the global mini-batch and averaged over optimizer steps,
+    `{prefix}/grad_norm` averaged over optimizer steps, `{prefix}/lr`, and `{prefix}/skipped_steps` when a
+    non-finite gradient skipped a step. Every rank returns the same numbers.
     """
     model.train()
+    ranks = world_size()
     stats_sum: dict[str, float] = {}
-    micro_count = grad_norm_sum = 0.0
+    grad_norm_sum = 0.0
     steps = skipped = 0
     num_minis = max(1, train_batch_size // section.ppo_mini_batch_size)
+    mode = getattr(section, "loss_agg_mode", "token-mean")
     for _ in range(section.ppo_epochs):
         for rows in split_mini_batches(len(batch), num_minis, generator, shuffle):
             optimizer.zero_grad(set_to_none=True)
-            for micro in split_micro_batches(
+            micros = split_micro_batches(
                 batch,
                 rows,
                 micro_batch_size=section.ppo_micro_batch_size_per_gpu,
                 use_dynamic_bsz=section.use_dynamic_bsz,
                 max_token_len=section.ppo_max_token_len_per_gpu,
                 remove_padding=remove_padding,
-            ):
+            )
+            count = all_reduce_max_int(len(micros))
+            micros += [_zero_weight_micro(batch, rows) for _ in range(count - len(micros))]
+            total_units = all_reduce_sum(sum(loss_units(m.response_mask, mode) for m in micros))
+            for micro in micros:
+                weight = loss_units(micro.response_mask, mode) / max(total_units, 1.0)
                 loss, stats = micro_loss(micro)
-                (loss * len(micro) / len(rows)).backward()
+                (loss * weight * ranks).backward()
                 for key, value in stats.items():
-                    stats_sum[key] = stats_sum.get(key, 0.0) + value
-                micro_count += 1
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), section.grad_clip)
+                    stats_sum[key] = stats_sum.get(key, 0.0) + value * weight
+            grad_norm = _clip_grad_norm(model, section.grad_clip)
             steps += 1
             if torch.isfinite(grad_norm):
+                if on_optimizer_step is not None:
+                    on_optimizer_step()
                 optimizer.step()
                 grad_norm_sum += float(grad_norm)
             else:
                 skipped += 1
                 log.warning("%s: non-finite grad norm %s; optimizer step skipped", prefix, grad_norm.item())
     scheduler.step()
-    metrics = {key: value / max(micro_count, 1) for key, value in stats_sum.items()}
+    metrics = {key: value / max(steps, 1) for key, value in all_reduce_sum_dict(stats_sum).items()}
     metrics[f"{prefix}/grad_norm"] = grad_norm_sum / max(steps - skipped, 1)
     metrics[f"{prefix}/lr"] = scheduler.get_last_lr()[0]
     if skipped:
         metrics[f"{prefix}/skipped_steps"] = float(skipped)  # a count of optimizer steps, not averaged
     return metrics
+
+
+def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip by the global norm; with FSDP2 the norm is a DTensor over every shard, made a plain tensor."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm.detach().float().cpu()

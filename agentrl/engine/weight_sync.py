@@ -2,7 +2,7 @@
 
 Two checks, strongest first:
 - fingerprint: the embedded engine hashes its served weights (`fingerprint_state_dict`); it must equal the
-  hash of what was pushed, bit for bit.
+  hash of what was pushed (built tensor by tensor as the weights stream in), bit for bit.
 - probe: vLLM cannot report a hash of its weights (nor a policy version), so every server answers one short
   greedy completion of a fixed prompt with log-probs, and the trainer scores the same tokens itself. The
   largest gap must be within a tolerance set by the coarser of the two dtypes (`probe_tolerance`). This
@@ -13,14 +13,15 @@ Two checks, strongest first:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from agentrl.engine.lora import served_state_dict
+from agentrl.engine.fsdp import compute_device
+from agentrl.engine.served_weights import iter_served_weights
 from agentrl.rollout.backend import ProbeResult, RolloutBackend
-from agentrl.rollout.engines.embedded import fingerprint_state_dict
+from agentrl.rollout.engines._weights import Fingerprint
 
 PROBE_TEXT = "Weight sync check: 1 2 3 4"
 PROBE_MAX_TOKENS = 4
@@ -47,7 +48,7 @@ def max_logprob_gap(served: Sequence[float], trained: Sequence[float]) -> float:
 @torch.no_grad()
 def score_tokens(model: torch.nn.Module, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> list[float]:
     """The model's log-prob of each of `token_ids` following `prompt_ids` (one forward, eval mode)."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=device)
     was_training = model.training
     model.eval()
@@ -78,15 +79,27 @@ def check_probe(
 
 
 def sync_rollout_weights(
-    actor: torch.nn.Module, rollout: RolloutBackend, tokenizer: Any, *, dtypes: Sequence[str]
+    actor: torch.nn.Module,
+    rollout: RolloutBackend,
+    tokenizer: Any,
+    *,
+    dtypes: Sequence[str],
+    served_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
-    """Push `actor`'s served weights (LoRA merged) and verify them; returns the sync metrics."""
-    state = served_state_dict(actor)
-    version = rollout.push_weights(state)
+    """Stream `actor`'s served weights (LoRA merged, FSDP shards gathered, cast to `served_dtype`) into the
+    engine and verify them; returns the sync metrics."""
+    pushed = Fingerprint()
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in iter_served_weights(actor, served_dtype):
+            pushed.add(name, tensor)
+            yield name, tensor
+
+    version = rollout.push_weights(stream())
     metrics = {"rollout/policy_version": float(version)}
     served = rollout.served_fingerprint()
     if served is not None:
-        expected = fingerprint_state_dict(state)
+        expected = pushed.hexdigest()
         if served != expected:
             raise RuntimeError(
                 f"weight sync failed: the engine serves fingerprint {served}, the trainer "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -32,8 +32,8 @@ class RolloutBackend(Protocol):
     def urls(self) -> list[str]:
         """OpenAI-compatible base URLs of the servers (no `/v1`), one per server."""
 
-    def push_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        """Serve these full weights (HF names) on every server; returns the new policy version."""
+    def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Serve these full weights ((HF name, tensor) pairs, streamed) on every server; returns the new version."""
 
     def served_fingerprint(self) -> str | None:
         """`fingerprint_state_dict` of the served weights, or None where the engine cannot report it."""

@@ -7,7 +7,7 @@ process (no files), and the engine reports a fingerprint of what it serves.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +34,8 @@ class EmbeddedRollout:
     def urls(self) -> list[str]:
         return [self.server.url]
 
-    def push_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        return self.engine.update_weights(state_dict)
+    def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        return self.engine.update_weights(weights)
 
     def served_fingerprint(self) -> str:
         return self.engine.weights_fingerprint()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +43,10 @@ class VLLMRollout:
     def urls(self) -> list[str]:
         return [server.url for server in self.servers]
 
-    def push_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
+    def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Write the weights as `v<N>`, reload them on every server, then delete older folders."""
         version = self.policy_version + 1
-        folder = save_weights_for_vllm(dict(state_dict), self.weights_dir / f"v{version}")
+        folder = save_weights_for_vllm(dict(weights), self.weights_dir / f"v{version}")
         self._run(self._admin.update_weights(str(folder), version=version))
         behind = [f"{s.url}: {s.last_error}" for s in self._admin.servers if s.policy_version != version]
         if behind:

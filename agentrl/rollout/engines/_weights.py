@@ -10,7 +10,7 @@ unsampled elements of a tensor goes unseen (full updates and LoRA merges touch e
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -18,43 +18,73 @@ import torch
 _SAMPLES_PER_TENSOR = 1024
 
 
+def tensor_sample(tensor: torch.Tensor) -> bytes:
+    """A strided sample of `tensor`'s values as float64 bytes (the per-tensor part of a fingerprint).
+
+    The indices are integer arithmetic: a float32 `linspace` rounds past the end for tensors over 2^24
+    elements (a 0.5B model's embedding has 136M) and then indexes out of bounds.
+    """
+    flat = tensor.detach().reshape(-1)
+    numel = flat.numel()
+    if numel > _SAMPLES_PER_TENSOR:
+        steps = torch.arange(_SAMPLES_PER_TENSOR, dtype=torch.int64, device=flat.device)
+        flat = flat.index_select(0, steps * (numel - 1) // (_SAMPLES_PER_TENSOR - 1))
+    return flat.to("cpu", torch.float64).numpy().tobytes()
+
+
+class Fingerprint:
+    """Builds `fingerprint_state_dict` one tensor at a time, in any order (for weights that stream in)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, bytes] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self._parts[name] = f"{name}:{tuple(tensor.shape)}:".encode() + tensor_sample(tensor)
+
+    def hexdigest(self) -> str:
+        digest = hashlib.sha256()
+        for name in sorted(self._parts):
+            digest.update(self._parts[name])
+        return digest.hexdigest()[:32]
+
+
 def fingerprint_state_dict(state_dict: Mapping[str, torch.Tensor]) -> str:
     """Hash of names, shapes and a strided value sample of every tensor; equal weights -> equal string."""
-    digest = hashlib.sha256()
-    for name in sorted(state_dict):
-        tensor = state_dict[name]
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        flat = tensor.detach().reshape(-1)
-        if flat.numel() > _SAMPLES_PER_TENSOR:
-            index = torch.linspace(0, flat.numel() - 1, _SAMPLES_PER_TENSOR, device=flat.device).long()
-            flat = flat.index_select(0, index)
-        digest.update(f"{name}:{tuple(tensor.shape)}:".encode())
-        digest.update(flat.to("cpu", torch.float64).numpy().tobytes())
-    return digest.hexdigest()[:32]
+    fingerprint = Fingerprint()
+    for name, tensor in state_dict.items():
+        if isinstance(tensor, torch.Tensor):
+            fingerprint.add(name, tensor)
+    return fingerprint.hexdigest()
+
+
+def _check_tensor(own: Mapping[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
+    if name not in own:
+        raise ValueError(f"update_weights: unknown parameter name {name!r} (model has e.g. {list(own)[:3]})")
+    if tuple(value.shape) != tuple(own[name].shape):
+        raise ValueError(
+            f"update_weights: {name} has shape {tuple(value.shape)}, model expects {tuple(own[name].shape)}"
+        )
 
 
 @torch.no_grad()
-def load_weights_in_place(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy `state_dict` into the model's own tensors (same storage, so nothing is reallocated).
+def load_weights_in_place(
+    model: torch.nn.Module, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    """Copy weights into the model's own tensors (same storage, so nothing is reallocated).
 
     Names must be the model's own (`model.state_dict()` keys); missing names keep their values, so a
-    partial update (e.g. without a tied `lm_head.weight`) is allowed. Unknown names or wrong shapes
-    raise ValueError naming the tensor, before anything is written.
+    partial update (e.g. without a tied `lm_head.weight`) is allowed. A mapping is checked whole before
+    anything is written (unknown names or wrong shapes raise ValueError naming the tensor); a stream of
+    (name, tensor) pairs, which the trainer sends so that no full state dict is ever built, is checked tensor
+    by tensor, and the fingerprint check after the sync catches an update that stopped half way.
     """
     own = model.state_dict()
-    unknown = sorted(k for k in state_dict if k not in own)
-    if unknown:
-        raise ValueError(
-            f"update_weights: unknown parameter names {unknown[:5]} (model has e.g. {list(own)[:3]})"
-        )
-    for name, value in state_dict.items():
-        if tuple(value.shape) != tuple(own[name].shape):
-            raise ValueError(
-                f"update_weights: {name} has shape {tuple(value.shape)}, "
-                f"model expects {tuple(own[name].shape)}"
-            )
-    for name, value in state_dict.items():
+    if isinstance(weights, Mapping):
+        for name, value in weights.items():
+            _check_tensor(own, name, value)
+        weights = weights.items()
+    for name, value in weights:
+        _check_tensor(own, name, value)
         own[name].copy_(value)
 
 

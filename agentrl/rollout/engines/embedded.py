@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -287,10 +287,11 @@ class EmbeddedEngine:
                 self._cond.notify_all()
 
     # ----- weights, adapters, memory ----------------------------------------------------------
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        """Load full weights in place between two decode steps; returns the new policy version."""
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load full weights (a mapping, or (name, tensor) pairs streamed in) in place between two decode
+        steps; returns the new policy version."""
         with self._between_steps():
-            load_weights_in_place(self.model, state_dict)
+            load_weights_in_place(self.model, weights)
             self._lora.forget_base()
             self.policy_version += 1
             return self.policy_version

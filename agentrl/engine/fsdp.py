@@ -1,0 +1,65 @@
+"""FSDP2 for the workers of the Ray backend: shard a transformers model, and read full tensors back out.
+
+`fully_shard` wraps every decoder layer (the classes the model lists in `_no_split_modules`), then the root,
+so one layer's parameters are gathered at a time. On GPU with a low-precision `model.dtype` the master weights
+stay float32 and compute runs in that dtype, with gradients reduced in float32 (verl's default). Parameter
+offload keeps shards (and, with them, gradients and the optimizer step) on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks to shard one by one: modules whose class the model marks `_no_split_modules`."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find decoder layers to shard in {type(model).__name__} (_no_split_modules)")
+    return layers
+
+
+def shard_model(
+    model: torch.nn.Module, *, compute_dtype: torch.dtype | None, offload: bool
+) -> torch.nn.Module:
+    """Apply FSDP2 in place (per decoder layer, then the root) over the default process group."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mixed = (
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype is not None
+        else MixedPrecisionPolicy()
+    )
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=mixed, offload_policy=policy)
+    fully_shard(model, mp_policy=mixed, offload_policy=policy)
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a DTensor shard (a collective: every rank calls it in the same order)."""
+    if not isinstance(value, DTensor):
+        return value.detach()
+    local = value.to_local()
+    mesh_device = value.device_mesh.device_type
+    if local.device.type != mesh_device:  # an offloaded shard: gather on the mesh's device
+        local = local.to(mesh_device)
+        value = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False)
+    return value.full_tensor().detach()
+
+
+def compute_device(model: torch.nn.Module) -> torch.device:
+    """Where the model computes: a sharded (possibly CPU-offloaded) parameter answers with its mesh's device."""
+    param = next(model.parameters())
+    if isinstance(param, DTensor):
+        return torch.device(param.device_mesh.device_type)
+    return param.device
