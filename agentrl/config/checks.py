@@ -94,9 +94,17 @@ def _check_group_size(cfg: AgentRLConfig) -> list[str]:
 
 
 def _check_rejection_sampling(cfg: AgentRLConfig) -> list[str]:
-    """Rejection sampling (either mode) compares the episodes of a task, so it needs actor_rollout_ref.rollout.n >= 2."""
-    n = cfg.actor_rollout_ref.rollout.n
-    if cfg.agent.rejection_sample.enable and n < 2:
+    """agent.rejection_sample: mode/multiplier need enable=true; either mode compares a task's episodes, so rollout.n >= 2."""
+    n, reject = cfg.actor_rollout_ref.rollout.n, cfg.agent.rejection_sample
+    if not reject.enable and (reject.mode != "uniform_reward" or reject.multiplier > 1):
+        changed = (
+            f"mode={reject.mode}" if reject.mode != "uniform_reward" else f"multiplier={reject.multiplier}"
+        )
+        return [
+            f"agent.rejection_sample.{changed} has no effect while agent.rejection_sample.enable=false; "
+            f"set agent.rejection_sample.enable=true"
+        ]
+    if reject.enable and n < 2:
         return [
             f"agent.rejection_sample.enable=true with actor_rollout_ref.rollout.n={n} would drop every task "
             f"(a lone episode's reward is uniform, and it is all solved or none); "

@@ -72,6 +72,14 @@ from agentrl.config import validate_config
             ],
         ),
         (
+            {"agent.rejection_sample.mode": "solve_partial"},
+            ["agent.rejection_sample.mode=solve_partial has no effect", "enable=true"],
+        ),
+        (
+            {"agent.rejection_sample.multiplier": 3},
+            ["agent.rejection_sample.multiplier=3 has no effect", "enable=true"],
+        ),
+        (
             {"agent.stepwise_advantage.enable": True, "algorithm.adv_estimator": "gae"},
             ["algorithm.adv_estimator=gae cannot be used with agent.stepwise_advantage.enable=true"],
         ),
