@@ -196,6 +196,9 @@ class PolicyWorker:
         )
         if self.optimizer_offload:
             _move_optimizer_state(self.optimizer, torch.device("cpu"))
+        if self.device.type == "cuda":  # peak since the worker started, on this rank's device (verl's names)
+            metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
         return metrics
 
     def _optimizer_state_to_device(self) -> None:

@@ -75,8 +75,41 @@ _QWEN2_TEXT = {
     "initializer_range": 0.02,
 }
 
+# Real model shapes with random weights and the offline tokenizer: GPU benchmarks and tests at a realistic size
+# without a hub download. The embedding keeps Qwen2.5's 151,936 rows (ids past the tokenizer decode to nothing).
+_QWEN25_SHAPE = {
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.02,
+}
+
 PRESETS: dict[str, TinyPreset] = {
     "qwen2": TinyPreset(name="qwen2", text=_QWEN2_TEXT),
+    "qwen2.5-0.5b-shape": TinyPreset(
+        name="qwen2.5-0.5b-shape",
+        text={
+            **_QWEN25_SHAPE,
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+        },
+    ),
+    "qwen2.5-1.5b-shape": TinyPreset(
+        name="qwen2.5-1.5b-shape",
+        text={
+            **_QWEN25_SHAPE,
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+        },
+    ),
     "qwen2-mini": TinyPreset(
         name="qwen2-mini",
         text={**_QWEN2_TEXT, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2},
@@ -191,7 +224,7 @@ def _build_qwen2(preset: TinyPreset, common: dict[str, Any]):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**preset.text, **common, torch_dtype="float32")
+    config = Qwen2Config(**{**common, **preset.text}, torch_dtype="float32")  # a shape may set its vocab
     return Qwen2ForCausalLM(config).to(torch.float32).eval()
 
 

@@ -1,0 +1,93 @@
+"""The GPU core on a real-size model: run on the device machine (docs/development.md gives the command).
+
+A Qwen2.5-0.5B-shaped model (random weights, offline tokenizer) in bf16: the fingerprint of its 136M-element
+embedding, a full and a LoRA policy step with weight sync, and FSDP2 over 2 GPUs against 1 (when 2 are there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrl.config import load_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device machine)"),
+]
+
+SHAPE = "tiny:qwen2.5-0.5b-shape"
+
+
+def test_fingerprint_of_a_tensor_past_2_pow_24_elements_on_cuda():
+    from agentrl.rollout.engines._weights import fingerprint_state_dict
+
+    embedding = torch.randn(151936, 896, device="cuda", dtype=torch.bfloat16)
+    on_gpu = fingerprint_state_dict({"e": embedding})
+    torch.cuda.synchronize()
+    assert on_gpu == fingerprint_state_dict({"e": embedding.cpu()})
+    changed = embedding.clone()
+    changed[-1, -1] += 1  # the last element is sampled
+    assert fingerprint_state_dict({"e": changed}) != on_gpu
+
+
+def _batch_from_rollouts(worker, prompts: int = 4, n: int = 4):
+    """Real rollouts from the worker's engine (token ids and logprobs), assembled into a TrainBatch."""
+    import asyncio
+
+    from agentrl.engine.assembly import TrainingRow, rows_to_batch
+    from agentrl.types import SamplingParams
+
+    engine = worker.rollout.engine
+    rows = []
+
+    async def run():
+        for p in range(prompts):
+            prompt = worker.tokenizer.encode(f"What is {p} + {p}?")
+            outs = await engine.generate(prompt, SamplingParams(n=n, max_tokens=32, temperature=1.0, seed=p))
+            for i, out in enumerate(outs):
+                rows.append(
+                    TrainingRow(
+                        input_ids=prompt + out.token_ids,
+                        loss_mask=[0] * len(prompt) + [1] * len(out.token_ids),
+                        rollout_logprobs=[0.0] * len(prompt) + out.logprobs,
+                        reward=float(i % 2),
+                        group_key=f"t{p}",
+                        trajectory_key=f"t{p}-{i}",
+                    )
+                )
+
+    asyncio.run(run())
+    batch = rows_to_batch(rows, pad_token_id=worker.tokenizer_pad_id())
+    batch["advantages"] = (batch.rewards - 0.5).unsqueeze(1) * batch.response_mask
+    return batch
+
+
+@pytest.mark.parametrize("lora_rank", [0, 32])
+def test_a_bf16_policy_step_with_weight_sync_on_the_0_5b_shape(tmp_path, lora_rank):
+    from agentrl.engine.policy_worker import PolicyWorker
+
+    config = load_config(
+        [
+            f"actor_rollout_ref.model.path={SHAPE}",
+            "actor_rollout_ref.model.dtype=bfloat16",
+            f"actor_rollout_ref.model.lora_rank={lora_rank}",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.optim.lr=1e-5",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            f"trainer.default_local_dir={tmp_path}",
+        ]
+    )
+    worker = PolicyWorker(config, total_steps=2, device="cuda")
+    try:
+        worker.start_rollout()  # the first sync: fingerprint of the 136M-element embedding included
+        batch = _batch_from_rollouts(worker)
+        batch["ref_log_probs"] = worker.compute_ref_log_prob(batch)
+        metrics = worker.update_actor(batch)
+        assert metrics["actor/grad_norm"] > 0 and torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
+        sync = worker.sync_weights()  # bf16 LoRA merge: the served fingerprint must match the trainer's
+        assert sync["rollout/policy_version"] == 2
+        assert metrics["perf/max_memory_allocated_gb"] > 0
+    finally:
+        worker.shutdown()
