@@ -185,6 +185,10 @@ class Controller:
             config=cfg.model_dump(),
             resume=resume_from is not None,
         )
+        if resume_from is not None:
+            # Last, so nothing built above draws from the restored generators before step one.
+            self.collector.load_state_dict(load_trainer_state(resume_from).get("collector", {"rounds": 0}))
+            restore_rng_state(resume_from)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -394,7 +398,11 @@ class Controller:
             self.run_dir / "checkpoints",
             self.global_step,
             write,
-            {"global_step": self.global_step, "dataloader": self.loader.state_dict()},
+            {
+                "global_step": self.global_step,
+                "dataloader": self.loader.state_dict(),
+                "collector": self.collector.state_dict(),
+            },
             max_to_keep=self.config.trainer.max_actor_ckpt_to_keep,
         )
 
@@ -404,7 +412,6 @@ class Controller:
         if self.critic is not None:
             self.critic.call("load", folder)
         self.loader.load_state_dict(state["dataloader"])
-        restore_rng_state(folder)
         self.global_step = int(state["global_step"])
         log.info("resumed from %s at step %d", folder, self.global_step)
 

@@ -62,6 +62,13 @@ class RolloutCollector:
         self.limits = limits
         self._rounds = 0
 
+    def state_dict(self) -> dict[str, int]:
+        """The round counter that session ids (and so sampling seeds) derive from; a checkpoint keeps it."""
+        return {"rounds": self._rounds}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._rounds = int(state["rounds"])
+
     async def collect(
         self, flow: AgentFlow, tasks: Sequence[Task], n: int, mode: str = "train", on_episode=None
     ) -> list[Episode]:
