@@ -1,9 +1,11 @@
-"""`agentrl serve`: N inference servers behind the gateway on 127.0.0.1, until Ctrl-C.
+"""`agentrl serve`: N inference servers behind the gateway (127.0.0.1 unless `--host`), until Ctrl-C.
 
 This is how a user tries an agent against the policy before training, and how tests drive the
 rollout stack from outside: point any OpenAI client at `{base}/sessions/{id}/v1` (any id: sessions
 open on first use here) and read `GET {base}/sessions/{id}/traces` for the exact tokens and logprobs.
 Everything it starts (engine threads, vLLM process groups, the gateway) stops on Ctrl-C or SIGTERM.
+The servers always listen on loopback; with `--host` off loopback, the gateway's session and trace
+routes need a bearer token (`--admin-token`, `$AGENTRL_ADMIN_TOKEN`, or one made and printed at start).
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="HF folder, HF id or tiny:<preset>")
     p.add_argument("--engine", choices=["embedded", "vllm"], default="embedded")
     p.add_argument("--servers", type=int, default=1, help="number of inference servers (default 1)")
+    p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help="bearer token for session/trace routes (default: $AGENTRL_ADMIN_TOKEN; made per run off loopback)",
+    )
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=256, help="cap on completion tokens per call")
@@ -89,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         servers = start(model, args, name, cleanup)
         pool = RolloutPool(servers, model_name=name, engine=args.engine)
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
-        gateway = Gateway(pool, sampling_train=sampling, allow_implicit_sessions=True, port=args.port).start()
+        gateway = Gateway(
+            pool, sampling_train=sampling, allow_implicit_sessions=True, host=args.host, port=args.port,
+            admin_token=args.admin_token,
+        ).start()  # fmt: skip
         cleanup.append(gateway.stop)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -102,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             f"  Ctrl-C stops everything.",
             flush=True,
         )
+        if gateway.admin_token:
+            print(
+                f"  admin token (traces, sessions):   Authorization: Bearer {gateway.admin_token}", flush=True
+            )
         while not stop.wait(0.5):
             pass
         print("agentrl serve: stopping", flush=True)

@@ -34,7 +34,7 @@ def _start_serve(args: list[str], timeout: float) -> tuple[subprocess.Popen, str
         if not line:
             break
         lines.append(line)
-        if m := re.search(r"behind the gateway at (http://127\.0\.0\.1:\d+)", line):
+        if m := re.search(r"behind the gateway at (http://[\d.]+:\d+)", line):
             return proc, m.group(1), lines
     proc.kill()
     raise AssertionError("agentrl serve did not print its base URL:\n" + "".join(lines))
@@ -71,6 +71,29 @@ def test_serve_embedded_two_servers(tmp_path: Path) -> None:
     assert not group_alive(proc.pid)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{base}/health", timeout=2)
+
+
+def test_serve_off_loopback_guards_traces_with_a_printed_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AGENTRL_ADMIN_TOKEN", raising=False)
+    proc, base, lines = _start_serve(
+        ["--model", "tiny:qwen2-mini", "--host", "0.0.0.0", "--max-tokens", "3"], 120
+    )
+    try:
+        while not (m := re.search(r"Authorization: Bearer (\S+)", lines[-1])):
+            lines.append(proc.stdout.readline())
+            assert lines[-1], "".join(lines)
+        token = m.group(1)
+        local = base.replace("0.0.0.0", "127.0.0.1")
+        chat = {"model": "tiny:qwen2-mini", "messages": [{"role": "user", "content": "hi"}]}
+        assert (
+            httpx.post(f"{local}/sessions/demo/v1/chat/completions", json=chat, timeout=60).status_code == 200
+        )
+        assert httpx.get(f"{local}/sessions/demo/traces").status_code == 401
+        traces = httpx.get(f"{local}/sessions/demo/traces", headers={"Authorization": f"Bearer {token}"})
+        assert traces.status_code == 200 and len(traces.json()) == 1
+    finally:
+        out = _interrupt(proc)
+    assert proc.returncode == 0, out
 
 
 @pytest.mark.vllm
