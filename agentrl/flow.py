@@ -25,7 +25,8 @@ class RolloutContext:
     client: Any
     """`openai.AsyncOpenAI` whose base URL is `{gateway}/sessions/{session_id}/v1`."""
     model: str
-    """The model name to pass to `client.chat.completions.create(model=...)`."""
+    """The model name to pass to `client.chat.completions.create(model=...)`: the served name
+    (`actor_rollout_ref.model.path`). The gateway answers any other name with a 404, as vLLM does."""
     session_id: str
     base_url: str
     max_steps: int
