@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from agentrl.types import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
+COMPLETIONS_MAX_TOKENS = 16
+"""`max_tokens` of a `/v1/completions` request that sets none (OpenAI's and vLLM's default)."""
 
 
 class _Lenient(BaseModel):
@@ -95,6 +97,13 @@ class SamplingFields(_Lenient):
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` (chat's newer name) or `max_tokens`."""
         return getattr(self, "max_completion_tokens", None) or self.max_tokens
+
+    def min_tokens_error(self, default_max_tokens: int | None = None) -> str | None:
+        """Why `min_tokens` cannot be honoured (above the requested maximum; vLLM refuses it too)."""
+        asked = self.requested_max_tokens() or default_max_tokens
+        if asked is not None and self.min_tokens > asked:
+            return f"{self.min_tokens} is above the requested max_tokens of {asked}"
+        return None
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's settings; `min_tokens` is clipped to `max_tokens` (what fits the context)."""

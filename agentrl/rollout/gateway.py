@@ -212,12 +212,8 @@ def build_gateway_app(
                 "model",
                 404,
             )
-        asked = req.requested_max_tokens() or (None if chat else 16)
-        if asked is not None and req.min_tokens > asked:
-            raise _BadRequest(
-                f"invalid field 'min_tokens': {req.min_tokens} is above the requested max_tokens of {asked}",
-                "min_tokens",
-            )
+        if error := req.min_tokens_error():  # unset max_tokens is the mode's cap here, not 16
+            raise _BadRequest(f"invalid field 'min_tokens': {error}", "min_tokens")
         if req.n > max_n:
             raise _BadRequest(
                 f"invalid field 'n': {req.n} is above the cap of {max_n} (rollout.max_n_per_request)", "n"

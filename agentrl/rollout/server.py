@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from agentrl.rollout._openai_protocol import (
+    COMPLETIONS_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     NamedToolChoice,
@@ -94,11 +95,8 @@ class _Server:
                 404,
             )
         self.check_n(req.n)
-        asked = req.requested_max_tokens() or default_max_tokens
-        if asked is not None and req.min_tokens > asked:
-            raise RequestError(
-                f"min_tokens: {req.min_tokens} is above the requested max_tokens of {asked}", "min_tokens"
-            )
+        if error := req.min_tokens_error(default_max_tokens):
+            raise RequestError(f"min_tokens: {error}", "min_tokens")
 
 
 _MEDIA_PARTS = ("image_url", "image", "input_image", "video", "video_url", "input_audio", "audio_url")
@@ -203,13 +201,16 @@ def _completion_prompts(server: _Server, prompt: Any) -> list[list[int]]:
 
 
 async def _completions(server: _Server, req: CompletionRequest) -> Any:
-    server.check_request(req, default_max_tokens=16)
+    server.check_request(req, default_max_tokens=COMPLETIONS_MAX_TOKENS)
     if req.echo:
         raise RequestError("echo: not supported by the embedded engine", "echo")
     prompts = _completion_prompts(server, req.prompt)
     top = req.logprobs or 0
     version = server.engine.policy_version
-    params = [req.to_sampling_params(server.max_tokens(req.max_tokens or 16, len(p))) for p in prompts]
+    params = [
+        req.to_sampling_params(server.max_tokens(req.max_tokens or COMPLETIONS_MAX_TOKENS, len(p)))
+        for p in prompts
+    ]
     if req.stream:
         streams = [_start(server.engine.stream, p, sp, top) for p, sp in zip(prompts, params, strict=True)]
         return StreamingResponse(

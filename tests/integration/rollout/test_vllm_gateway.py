@@ -97,6 +97,28 @@ def test_tools_request_is_accepted(stack) -> None:
     assert len(gateway.session_traces("tools")) == 1
 
 
+def test_min_tokens_and_ignore_eos_reach_vllm_under_its_names(stack) -> None:
+    gateway, _, _ = stack
+
+    def greedy(sid: str, **extra) -> tuple[list[int], str]:
+        client = openai.OpenAI(base_url=gateway.open_session(sid, "validation"), api_key="x", max_retries=0)
+        body = {"ignore_eos": True, **extra}  # EOS never cuts an answer short here; stop tokens still do
+        reply = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, extra_body=body)
+        (trace,) = gateway.session_traces(sid)
+        return trace.completion_ids, reply.choices[0].finish_reason
+
+    reference, finish = greedy("ext-ref")
+    assert (len(reference), finish) == (8, "length")
+    j = next(i for i in range(1, 8) if reference[i] not in reference[:i])
+    stop = reference[j]
+    assert greedy("ext-stop", stop_token_ids=[stop]) == (reference[: j + 1], "stop")
+    # vLLM masks stop tokens below min_tokens: the token cannot appear there, and the answer is longer.
+    ids, _ = greedy("ext-min", stop_token_ids=[stop], min_tokens=j + 2)
+    assert len(ids) >= j + 2 and stop not in ids[: j + 2]
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        greedy("ext-bad", min_tokens=9)
+
+
 def test_full_weight_reload_serves_the_new_weights(stack, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
