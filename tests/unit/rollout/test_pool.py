@@ -191,3 +191,44 @@ def test_pool_rejects_bad_arguments() -> None:
         RolloutPool([], model_name="m")
     with pytest.raises(ValueError, match="engine must be one of"):
         RolloutPool([A], model_name="m", engine="tgi")
+
+
+def _echo_server():
+    """A server of this process that reports which client port reached it (ASGI's is fixed at 123)."""
+    from agentrl.rollout.http_server import start_server_in_thread
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict:
+        body = await request.json()
+        await asyncio.sleep(body.get("sleep", 0))
+        return {"port": request.client.port}
+
+    return start_server_in_thread(app)
+
+
+def test_servers_of_this_process_are_called_in_process() -> None:
+    with _echo_server() as handle:
+        inproc = RolloutPool([handle.url], model_name="m", request_timeout=0.5)
+        tcp = RolloutPool([handle.url], model_name="m", in_process=False)
+
+        async def go(pool: RolloutPool, body: dict):
+            try:
+                return await pool.forward("s", "/v1/completions", body)
+            finally:
+                await pool.aclose()
+
+        assert asyncio.run(go(inproc, {})).body == {"port": 123}  # httpx.ASGITransport's client
+        assert asyncio.run(go(tcp, {})).body["port"] != 123
+        # httpx's timeout does not reach an ASGI app; the pool's own does, and fails the server over.
+        slow = asyncio.run(go(inproc, {"sleep": 5}))
+        assert slow.status == 503 and "TimeoutError" in slow.body["error"]["message"]
+    # A stopped server is no longer in-process: the pool falls back to TCP and finds it gone.
+    pool = RolloutPool([handle.url], model_name="m", max_retries=0, probe_interval=60)
+    gone = asyncio.run(pool.forward("s", "/v1/completions", {}))
+    assert gone.status == 503 and "ConnectError" in gone.body["error"]["message"]
