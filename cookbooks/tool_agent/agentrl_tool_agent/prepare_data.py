@@ -3,7 +3,7 @@
     python -m agentrl_tool_agent.prepare_data --output data/tool_agent
     # wrote 240 rows to data/tool_agent/train.jsonl, 100 to test.jsonl, 480 to sft.jsonl
 
-Two kinds of task, each needing one tool call: `calc` ("What is 37 * 23?": the calculator) and `kv`
+Two kinds of task, each needing one tool call: `calc` ("What is 37 * 3?": the calculator) and `kv`
 ("What is stored under 'plum'?": `kv_get` on the episode's store, which the row seeds through
 `extra_info.store` and the policy never sees). No held-out question appears in the training rows.
 
@@ -37,7 +37,7 @@ SAMPLES = Path(__file__).resolve().parent / "samples"
 def make_task(rng: random.Random, kind: str) -> tuple[str, dict[str, Any]]:
     """(question, extra_info) of one task: its tool call, the call's result and, for kv, the store."""
     if kind == "calc":
-        a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-*")
+        a, b, op = rng.randint(10, 99), rng.randint(2, 9), rng.choice("+-*")
         expression = f"{a} {op} {b}"
         return f"What is {expression}?", {
             "kind": kind,
@@ -45,7 +45,7 @@ def make_task(rng: random.Random, kind: str) -> tuple[str, dict[str, Any]]:
             "result": calculate(expression),
         }
     keys = rng.sample(KEYS, 3)
-    store = {k: str(rng.randint(100, 999)) for k in keys}
+    store = {k: str(rng.randint(10, 99)) for k in keys}
     key = rng.choice(keys)
     return f"What is stored under '{key}'?", {
         "kind": kind,

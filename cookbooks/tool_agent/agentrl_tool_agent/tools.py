@@ -74,7 +74,7 @@ class KeyValueStore:
         return "ok"
 
 
-def _function(name: str, description: str, **params: str) -> dict[str, Any]:
+def _function(name: str, description: str, *params: str) -> dict[str, Any]:
     return {
         "type": "function",
         "function": {
@@ -82,7 +82,7 @@ def _function(name: str, description: str, **params: str) -> dict[str, Any]:
             "description": description,
             "parameters": {
                 "type": "object",
-                "properties": {p: {"type": "string", "description": d} for p, d in params.items()},
+                "properties": {p: {"type": "string"} for p in params},
                 "required": list(params),
             },
         },
@@ -90,11 +90,12 @@ def _function(name: str, description: str, **params: str) -> dict[str, Any]:
 
 
 TOOL_SCHEMAS: list[dict[str, Any]] = [
-    _function("calculator", "Evaluate arithmetic.", expression="e.g. 12 * 7"),
-    _function("kv_get", "Read a key from the store.", key="the key"),
-    _function("kv_set", "Write a key in the store.", key="the key", value="the value"),
+    _function("calculator", "Arithmetic.", "expression"),
+    _function("kv_get", "Read a key.", "key"),
+    _function("kv_set", "Write a key.", "key", "value"),
 ]
-"""What the flow sends as `tools=` (short descriptions keep the tiny model's prompt short)."""
+"""What the flow sends as `tools=`. Every prompt carries them, so they are kept short: the tiny model's
+prompt is mostly the chat template's tool preamble, and its length is most of the cost of a step on CPU."""
 
 
 class ToolBox:

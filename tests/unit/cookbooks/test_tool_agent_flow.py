@@ -64,8 +64,8 @@ def _call(name: str, arguments: str) -> str:
 TASK = Task(
     id="t",
     data={
-        "prompt": [{"role": "user", "content": "What is 37 * 23? Answer with the number only."}],
-        "reward_model": {"ground_truth": "851"},
+        "prompt": [{"role": "user", "content": "What is 37 * 3? Answer with the number only."}],
+        "reward_model": {"ground_truth": "111"},
         "extra_info": {"store": {"plum": "417"}},
     },
 )
@@ -83,14 +83,14 @@ def test_turn_limit_code_is_the_gateways():
 
 
 def test_well_formed_call_result_comes_back_as_a_tool_message_and_the_answer_is_scored():
-    episode, requests = _run([_call("calculator", '{"expression": "37 * 23"}'), "851"])
-    assert episode.answer == "851"
+    episode, requests = _run([_call("calculator", '{"expression": "37 * 3"}'), "111"])
+    assert episode.answer == "111"
     assert episode.metrics == {"tool_calls": 1.0, "tool_errors": 0.0}
     assert requests[0]["tools"] == TOOL_SCHEMAS
     assistant, tool = requests[1]["messages"][-2:]
     call = assistant["tool_calls"][0]
-    assert call["function"] == {"name": "calculator", "arguments": '{"expression": "37 * 23"}'}
-    assert tool == {"role": "tool", "tool_call_id": call["id"], "content": "851"}
+    assert call["function"] == {"name": "calculator", "arguments": '{"expression": "37 * 3"}'}
+    assert tool == {"role": "tool", "tool_call_id": call["id"], "content": "111"}
     scored = ToolAnswerEvaluator().evaluate(TASK, episode)
     assert scored.reward == 1.0
     assert scored.metrics == {"tool_calls": 1.0, "tool_errors": 0.0, "answered": 1.0, "correct": 1.0}
@@ -111,17 +111,17 @@ def test_store_is_stateful_within_an_episode():
 
 
 def test_malformed_call_json_gets_an_error_observation_and_the_episode_goes_on():
-    broken = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 23"}\n</tool_call>'
-    episode, requests = _run([broken, _call("calculator", '{"expression": "37 * 23"}'), "851"])
+    broken = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 3"}\n</tool_call>'
+    episode, requests = _run([broken, _call("calculator", '{"expression": "37 * 3"}'), "111"])
     assistant, observation = requests[1]["messages"][-2:]
     assert assistant == {"role": "assistant", "content": broken}
     assert observation["role"] == "user" and observation["content"].startswith("error: tool call 0:")
     assert requests[2]["messages"][-1] == {
         "role": "tool",
         "tool_call_id": requests[2]["messages"][-2]["tool_calls"][0]["id"],
-        "content": "851",
+        "content": "111",
     }
-    assert episode.answer == "851"
+    assert episode.answer == "111"
     assert episode.metrics == {"tool_calls": 2.0, "tool_errors": 1.0}
 
 
@@ -136,12 +136,12 @@ def test_a_tool_that_raises_is_an_error_tool_message():
 
 
 def test_an_unknown_tool_is_an_error_tool_message():
-    episode, requests = _run([_call("search", '{"query": "37 * 23"}'), "851"])
+    episode, requests = _run([_call("search", '{"query": "37 * 3"}'), "111"])
     assert requests[1]["messages"][-1]["content"] == (
         "error: unknown tool 'search'; tools: ['calculator', 'kv_get', 'kv_set']"
     )
     assert episode.metrics == {"tool_calls": 1.0, "tool_errors": 1.0}
-    assert episode.answer == "851"
+    assert episode.answer == "111"
 
 
 def test_hitting_the_step_cap_ends_the_episode_without_an_answer():
