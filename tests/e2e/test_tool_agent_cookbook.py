@@ -24,7 +24,8 @@ def test_train_py_warm_start_then_grpo_hits_the_step_cap_and_logs_tool_calls(tmp
     val.write_text("".join((SAMPLES / "test.jsonl").read_text().splitlines(keepends=True)[:4]))
     run_dir = tmp_path / "run"
     overrides = [
-        "sft.max_steps=30",
+        "sft.max_steps=60",
+        "sft.batch_size=8",
         "data.train_batch_size=2",
         "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2",

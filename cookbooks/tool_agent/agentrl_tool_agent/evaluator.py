@@ -1,7 +1,7 @@
 """Scoring the tool agent: reward 1 when its final answer is the ground-truth value, else 0.
 
-The policy cannot compute 37 * 23 or know what the store holds without calling a tool, so the reward
-rewards tool use without scoring it directly. The metrics show how the agent got there: tool calls and
+The policy cannot know what the store holds without `kv_get`, and the calculator spares it the arithmetic,
+so the reward favours tool use without scoring it directly. The metrics show how the agent got there: tool calls and
 failed tool calls per episode (from the flow), whether it answered at all, and whether it was right.
 """
 

@@ -1,9 +1,9 @@
 """Generate the tool agent's data offline: tasks for RL and per-turn rows for the warm start.
 
     python -m agentrl_tool_agent.prepare_data --output data/tool_agent
-    # wrote 240 rows to data/tool_agent/train.jsonl, 100 to test.jsonl, 480 to sft.jsonl
+    # wrote 200 rows to data/tool_agent/train.jsonl, 80 to test.jsonl, 400 to sft.jsonl
 
-Two kinds of task, each needing one tool call: `calc` ("What is 37 * 3?": the calculator) and `kv`
+Two kinds of task, each needing one tool call: `calc` ("What is 7 * 3?": the calculator) and `kv`
 ("What is stored under 'plum'?": `kv_get` on the episode's store, which the row seeds through
 `extra_info.store` and the policy never sees). No held-out question appears in the training rows.
 
@@ -26,10 +26,7 @@ from typing import Any
 from agentrl_tool_agent.tools import TOOL_SCHEMAS, calculate
 
 INSTRUCTION = "Answer with the number only."
-KEYS = (
-    "apple pear plum kiwi lime fig date grape melon peach mango lemon cherry olive onion bean corn rice "
-    "salt milk tea jam egg nut"
-).split()
+KEYS = "apple pear plum kiwi lime fig grape melon".split()
 SAMPLES = Path(__file__).resolve().parent / "samples"
 """Where the shipped data lies (train.jsonl, test.jsonl, sft.jsonl)."""
 
@@ -37,7 +34,7 @@ SAMPLES = Path(__file__).resolve().parent / "samples"
 def make_task(rng: random.Random, kind: str) -> tuple[str, dict[str, Any]]:
     """(question, extra_info) of one task: its tool call, the call's result and, for kv, the store."""
     if kind == "calc":
-        a, b, op = rng.randint(10, 99), rng.randint(2, 9), rng.choice("+-*")
+        a, b, op = rng.randint(2, 9), rng.randint(2, 9), rng.choice("+-*")
         expression = f"{a} {op} {b}"
         return f"What is {expression}?", {
             "kind": kind,
@@ -45,7 +42,7 @@ def make_task(rng: random.Random, kind: str) -> tuple[str, dict[str, Any]]:
             "result": calculate(expression),
         }
     keys = rng.sample(KEYS, 3)
-    store = {k: str(rng.randint(10, 99)) for k in keys}
+    store = {k: str(rng.randint(1, 9)) for k in keys}
     key = rng.choice(keys)
     return f"What is stored under '{key}'?", {
         "kind": kind,
@@ -126,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m agentrl_tool_agent.prepare_data", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--output", default="data/tool_agent", help="folder for train/test/sft.jsonl")
-    parser.add_argument("--num-train", type=int, default=240)
-    parser.add_argument("--num-test", type=int, default=100)
+    parser.add_argument("--num-train", type=int, default=200)
+    parser.add_argument("--num-test", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.num_train < 1 or args.num_test < 1:
