@@ -47,7 +47,12 @@ class CriticWorker:
         if critic_cfg.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.sharded:
-            shard_model(self.model, compute_dtype=_DTYPES[dtype] if mixed else None, offload=offload)
+            shard_model(
+                self.model,
+                compute_dtype=_DTYPES[dtype] if mixed else None,
+                offload=offload,
+                device_type=self.device.type,
+            )
         self.optimizer = build_optimizer(self.model.parameters(), critic_cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, critic_cfg.optim, total_steps)
         self.generator = torch.Generator().manual_seed(config.trainer.seed + 1)

@@ -24,9 +24,15 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_model(
-    model: torch.nn.Module, *, compute_dtype: torch.dtype | None, offload: bool
+    model: torch.nn.Module, *, compute_dtype: torch.dtype | None, offload: bool, device_type: str
 ) -> torch.nn.Module:
-    """Apply FSDP2 in place (per decoder layer, then the root) over the default process group."""
+    """Apply FSDP2 in place (per decoder layer, then the root) over the default process group.
+
+    The mesh names the compute device explicitly: with parameter offload the model is loaded on the CPU, and
+    a mesh inferred from there would run every forward on the CPU too.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mixed = (
@@ -35,9 +41,10 @@ def shard_model(
         else MixedPrecisionPolicy()
     )
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     for layer in decoder_layers(model):
-        fully_shard(layer, mp_policy=mixed, offload_policy=policy)
-    fully_shard(model, mp_policy=mixed, offload_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=mixed, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mixed, offload_policy=policy)
     return model
 
 

@@ -95,7 +95,12 @@ class PolicyWorker:
         if not trainable:
             model.eval().requires_grad_(False)
         if self.sharded:
-            shard_model(model, compute_dtype=compute_dtype if mixed else None, offload=offload)
+            shard_model(
+                model,
+                compute_dtype=compute_dtype if mixed else None,
+                offload=offload,
+                device_type=self.device.type,
+            )
         return model
 
     def pid(self) -> int:
