@@ -40,7 +40,7 @@ class ToolAnswerEvaluator(Evaluator):
             metrics={
                 "tool_calls": episode.metrics.get("tool_calls", 0.0),
                 "tool_errors": episode.metrics.get("tool_errors", 0.0),
-                "answered": float(episode.answer is not None),
+                "answered": episode.metrics.get("answered", 0.0),
                 "correct": float(correct),
             },
         )

@@ -38,8 +38,9 @@ def malformed_call_error(message: Any) -> str | None:
 class ToolAgentFlow(AgentFlow):
     """Model call, tool calls, model call, ... until a reply with no tool call: its text is the answer.
 
-    Returns an `Episode` whose metrics count `tool_calls` (calls the policy made, parsed or not) and
-    `tool_errors` (malformed, unknown or failing calls); the evaluator reports both.
+    Returns an `Episode` whose metrics count `tool_calls` (calls the policy made, parsed or not),
+    `tool_errors` (malformed, unknown or failing calls) and `answered` (0 when it stopped at the step cap,
+    with answer ""); the evaluator reports them.
     """
 
     name = "tool_agent"
@@ -85,6 +86,11 @@ class ToolAgentFlow(AgentFlow):
                 answer = message.content or ""
         return Episode(
             trajectories=[Trajectory(name=self.name)],  # no steps: one per traced call, in call order
-            answer=answer,
-            metrics={"tool_calls": float(calls), "tool_errors": float(errors)},
+            # "" rather than None: the collector would take the last reply (a tool call) as the answer.
+            answer=answer if answer is not None else "",
+            metrics={
+                "tool_calls": float(calls),
+                "tool_errors": float(errors),
+                "answered": float(answer is not None),
+            },
         )

@@ -85,7 +85,7 @@ def test_turn_limit_code_is_the_gateways():
 def test_well_formed_call_result_comes_back_as_a_tool_message_and_the_answer_is_scored():
     episode, requests = _run([_call("calculator", '{"expression": "37 * 3"}'), "111"])
     assert episode.answer == "111"
-    assert episode.metrics == {"tool_calls": 1.0, "tool_errors": 0.0}
+    assert episode.metrics == {"tool_calls": 1.0, "tool_errors": 0.0, "answered": 1.0}
     assert requests[0]["tools"] == TOOL_SCHEMAS
     assistant, tool = requests[1]["messages"][-2:]
     call = assistant["tool_calls"][0]
@@ -122,7 +122,7 @@ def test_malformed_call_json_gets_an_error_observation_and_the_episode_goes_on()
         "content": "111",
     }
     assert episode.answer == "111"
-    assert episode.metrics == {"tool_calls": 2.0, "tool_errors": 1.0}
+    assert episode.metrics == {"tool_calls": 2.0, "tool_errors": 1.0, "answered": 1.0}
 
 
 def test_a_tool_that_raises_is_an_error_tool_message():
@@ -131,7 +131,7 @@ def test_a_tool_that_raises_is_an_error_tool_message():
         requests[1]["messages"][-1]["content"]
         == "error: calculator raised ZeroDivisionError: division by zero"
     )
-    assert episode.metrics == {"tool_calls": 1.0, "tool_errors": 1.0}
+    assert episode.metrics == {"tool_calls": 1.0, "tool_errors": 1.0, "answered": 1.0}
     assert ToolAnswerEvaluator().evaluate(TASK, episode).reward == 0.0
 
 
@@ -140,7 +140,7 @@ def test_an_unknown_tool_is_an_error_tool_message():
     assert requests[1]["messages"][-1]["content"] == (
         "error: unknown tool 'search'; tools: ['calculator', 'kv_get', 'kv_set']"
     )
-    assert episode.metrics == {"tool_calls": 1.0, "tool_errors": 1.0}
+    assert episode.metrics == {"tool_calls": 1.0, "tool_errors": 1.0, "answered": 1.0}
     assert episode.answer == "111"
 
 
@@ -148,7 +148,8 @@ def test_hitting_the_step_cap_ends_the_episode_without_an_answer():
     loop = [_call("kv_get", '{"key": "plum"}')] * 5
     episode, requests = _run(loop, max_calls=2)
     assert len(requests) == 3  # two answered, the third refused by the gateway
-    assert episode.answer is None
-    assert episode.metrics == {"tool_calls": 2.0, "tool_errors": 0.0}
+    # "" and not None: the collector would otherwise take the last reply, a tool call, as the answer.
+    assert episode.answer == ""
+    assert episode.metrics == {"tool_calls": 2.0, "tool_errors": 0.0, "answered": 0.0}
     scored = ToolAnswerEvaluator().evaluate(TASK, episode)
     assert scored.reward == 0.0 and scored.metrics["answered"] == 0.0
