@@ -286,10 +286,6 @@ class Controller:
         metrics.update(compute_batch_metrics(batch))
         return metrics
 
-    # ---- rollouts ---------------------------------------------------------------------------------
-    def next_tasks(self, prefix: str = "train") -> list[Task]:
-        return rows_to_tasks(next(self.loader), prefix)
-
     def needs_old_log_probs(self) -> bool:
         """False when the update is on-policy (one epoch, one mini-batch, no KL in the reward): the actor's
         log-probs before its only optimizer step are then the old ones, and the update measures them itself."""
@@ -297,6 +293,10 @@ class Controller:
         actor = cfg.actor_rollout_ref.actor
         one_mini = actor.ppo_mini_batch_size >= cfg.data.train_batch_size
         return not (actor.ppo_epochs == 1 and one_mini and not cfg.algorithm.use_kl_in_reward)
+
+    # ---- rollouts ---------------------------------------------------------------------------------
+    def next_tasks(self, prefix: str = "train") -> list[Task]:
+        return rows_to_tasks(next(self.loader), prefix)
 
     def run_episodes(self, tasks: list[Task], n: int, mode: str, desc: str) -> list[Episode]:
         """Collect `n` rollouts per task and score them; failed rollouts are kept, unscored."""

@@ -15,14 +15,19 @@ ROW = {
 }
 
 
-def test_an_unavailable_worker_backend_is_refused_up_front(tmp_path):
-    with pytest.raises(ConfigError, match="trainer.backend=ray"):
+def test_offload_and_placement_without_the_ray_backend_are_refused_up_front(tmp_path):
+    with pytest.raises(ConfigError, match="set trainer.backend=ray") as caught:
         AgentTrainer(
             flow=SingleTurnChatFlow(),
             evaluator=MathAnswerMatch(),
             train_dataset=[ROW],
-            config=["trainer.backend=ray", f"trainer.default_local_dir={tmp_path}"],
+            config=[
+                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+                "resource_pool_config.actor_rollout_gpus=1",
+                f"trainer.default_local_dir={tmp_path}",
+            ],
         )
+    assert "resource_pool_config.actor_rollout_gpus=1" in str(caught.value)
     assert not any(tmp_path.iterdir())  # nothing was written
 
 

@@ -44,7 +44,7 @@ def test_load_weights_in_place_keeps_storage_and_checks_names_and_shapes(tmp_pat
     load_weights_in_place(model, {"0.weight": torch.ones(3, 4)})
     assert model[0].weight.data_ptr() == pointer
     assert torch.equal(model[0].weight, torch.ones(3, 4))
-    with pytest.raises(ValueError, match="unknown parameter names.*nope"):
+    with pytest.raises(ValueError, match="unknown parameter name 'nope'"):
         load_weights_in_place(model, {"nope": torch.ones(1)})
     with pytest.raises(ValueError, match=r"0.bias has shape \(5,\)"):
         load_weights_in_place(model, {"0.bias": torch.ones(5)})
