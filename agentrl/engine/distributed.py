@@ -69,6 +69,16 @@ def all_reduce_sum_dict(values: Mapping[str, float]) -> dict[str, float]:
     return dict(zip(keys, tensor.tolist(), strict=True))
 
 
+def all_reduce_max_dict(values: Mapping[str, float]) -> dict[str, float]:
+    """The largest value of each metric over ranks (every rank must pass the same keys)."""
+    if not is_distributed():
+        return dict(values)
+    keys = sorted(values)
+    tensor = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, tensor.tolist(), strict=True))
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

@@ -235,6 +235,8 @@ class PolicyWorker:
             "actor/ppo_ratio_mean": float(result.ratio_mean),
             "actor/entropy": entropy_loss.item(),
         }
+        if old is None:  # the gap the skipped old-log-prob pass would have measured (engine vs trainer)
+            stats.update(_rollout_logprob_gap(log_probs.detach(), micro.rollout_log_probs.to(self.device), mask))
         if cfg.use_kl_loss:
             kl = compute_kl_penalty(log_probs, micro["ref_log_probs"].to(self.device), cfg.kl_loss_type)
             kl_loss = aggregate_loss(kl, mask, cfg.loss_agg_mode)
@@ -295,3 +297,11 @@ class PolicyWorker:
         if self.rollout is not None:
             self.rollout.stop()
             self.rollout = None
+
+
+def _rollout_logprob_gap(log_probs: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """|trainer - engine| log-prob gap on response tokens: the engine served stale or wrong weights if large."""
+    gap = (log_probs - rollout).abs()[mask.bool()]
+    if gap.numel() == 0:  # a zero-weight padding micro-batch
+        return {"rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0}
+    return {"rollout/logprob_diff_mean": gap.mean().item(), "rollout/logprob_diff_max": gap.max().item()}

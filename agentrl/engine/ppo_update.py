@@ -8,7 +8,8 @@ tokens, or rows for the seq-mean modes) is weighted by its share of the mini-bat
 ranks. A token in a short micro-batch then weighs exactly what a token in a long one weighs, and 1 rank and N
 ranks compute the same loss on the same batch. FSDP averages gradients over ranks, so each rank's share is
 multiplied by the world size. Logged stats are weighted the same way and summed over ranks: `actor/pg_loss`
-is the loss of the whole mini-batch, whatever the split.
+is the loss of the whole mini-batch, whatever the split. Stats whose name ends in `_max` are maxima instead:
+the largest over micro-batches, steps and ranks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from typing import Any
 import torch
 
 from agentrl.engine.assembly import TrainBatch
-from agentrl.engine.distributed import all_reduce_max_int, all_reduce_sum, all_reduce_sum_dict, world_size
+from agentrl.engine.distributed import (
+    all_reduce_max_dict,
+    all_reduce_max_int,
+    all_reduce_sum,
+    all_reduce_sum_dict,
+    world_size,
+)
 from agentrl.engine.packing import split_micro_batches, split_mini_batches
 
 log = logging.getLogger(__name__)
@@ -66,6 +73,7 @@ def run_ppo_updates(
     model.train()
     ranks = world_size()
     stats_sum: dict[str, float] = {}
+    stats_max: dict[str, float] = {}
     grad_norm_sum = 0.0
     steps = skipped = 0
     num_minis = max(1, train_batch_size // section.ppo_mini_batch_size)
@@ -89,7 +97,10 @@ def run_ppo_updates(
                 loss, stats = micro_loss(micro)
                 (loss * weight * ranks).backward()
                 for key, value in stats.items():
-                    stats_sum[key] = stats_sum.get(key, 0.0) + value * weight
+                    if key.endswith("_max"):
+                        stats_max[key] = max(stats_max.get(key, value), value)
+                    else:
+                        stats_sum[key] = stats_sum.get(key, 0.0) + value * weight
             grad_norm = _clip_grad_norm(model, section.grad_clip)
             steps += 1
             if torch.isfinite(grad_norm):
@@ -102,6 +113,7 @@ def run_ppo_updates(
                 log.warning("%s: non-finite grad norm %s; optimizer step skipped", prefix, grad_norm.item())
     scheduler.step()
     metrics = {key: value / max(steps, 1) for key, value in all_reduce_sum_dict(stats_sum).items()}
+    metrics.update(all_reduce_max_dict(stats_max))
     metrics[f"{prefix}/grad_norm"] = grad_norm_sum / max(steps - skipped, 1)
     metrics[f"{prefix}/lr"] = scheduler.get_last_lr()[0]
     if skipped:

@@ -28,8 +28,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 
 from agentrl.rollout._openai_protocol import ChatMessageIn, SamplingFields
 from agentrl.rollout.admin_auth import AdminAuthError, build_admin_guard, resolve_admin_token
@@ -141,6 +142,12 @@ def build_gateway_app(
     @app.exception_handler(_BadRequest)
     async def _bad_request(_: Request, exc: _BadRequest) -> JSONResponse:
         return _error(exc.status, str(exc), exc.param)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(_: Request, __: ClientDisconnect) -> Response:
+        # An agent cancelled mid-request (Ctrl-C, a timed-out rollout): nobody reads the answer, and
+        # a traceback here would bury the one line that says why the run stopped.
+        return Response(status_code=499)
 
     @app.exception_handler(AdminAuthError)
     async def _denied(_: Request, exc: AdminAuthError) -> JSONResponse:
