@@ -128,3 +128,43 @@ def select_rows(batch: PaddedBatch, rows: list[int]) -> PaddedBatch | None:
     return PaddedBatch(
         cache=batch.cache, attention_mask=mask[:, unused:], positions=batch.positions.index_select(0, index)
     )
+
+
+class DynamicBatch:
+    """The engine's running batch over a `DynamicCache`: the path for models `decode_step` cannot serve.
+
+    Same calls as `SlotBatch` (admit, decode, keep, clear), so the scheduler does not know which it drives.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._batch: PaddedBatch | None = None
+
+    @property
+    def size(self) -> int:
+        return self._batch.size if self._batch is not None else 0
+
+    @property
+    def slots(self) -> int:
+        return self._batch.slots if self._batch is not None else 0
+
+    def admit(self, prompts: list[list[int]], copies: list[int], reserve: int) -> torch.Tensor:
+        batch, logits = prefill(self.model, prompts)
+        expand = [i for i, c in enumerate(copies) for _ in range(c)]
+        if len(expand) != len(prompts):
+            batch = select_rows(batch, expand)
+            logits = logits[torch.tensor(expand, device=logits.device)]
+        self._batch = merge(self._batch, batch)
+        return logits
+
+    def decode(self, token_ids: list[int]) -> torch.Tensor:
+        return decode(self.model, self._batch, token_ids)
+
+    def keep(self, rows: list[int]) -> None:
+        self._batch = select_rows(self._batch, rows) if rows else None
+
+    def clear(self) -> None:
+        self._batch = None
+
+    def drop_graphs(self) -> None:
+        """Nothing is captured on this path."""

@@ -1,7 +1,7 @@
 """Book-keeping of requests and their sequences inside the embedded engine (no torch model here).
 
 A request with `n` completions becomes `n` sequences; each sequence owns its tokens, raw
-logprobs, stop checking and its own `torch.Generator`. Stop handling follows vLLM: a stop string
+logprobs, stop checking and its own seed (completion i of a seeded request draws with seed + i). Stop handling follows vLLM: a stop string
 ends the sequence with finish_reason "stop"; the returned text stops before the stop string,
 while `token_ids` (and `logprobs`) keep every sampled token including the ones that spelled the
 stop string, because training needs tokens that match their logprobs exactly. An EOS or
@@ -14,8 +14,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 from agentrl.rollout.chat import decode_completion, find_hidden_token_ids
 from agentrl.types import GenerationOutput, SamplingParams
@@ -54,7 +53,7 @@ class Sequence:
 
     request: Request
     index: int
-    generator: torch.Generator | None
+    seed: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -68,17 +67,10 @@ class Sequence:
         return self.token_ids[-1]
 
 
-def build_sequences(request: Request, device: torch.device) -> list[Sequence]:
+def build_sequences(request: Request) -> list[Sequence]:
     """`n` sequences; completion i of a seeded request uses seed + i, so each is reproducible."""
     base_seed = request.params.seed if request.params.seed is not None else random.getrandbits(62)
-    sequences = []
-    for i in range(request.params.n):
-        generator = None
-        if request.params.temperature > 0:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(base_seed + i)
-        sequences.append(Sequence(request=request, index=i, generator=generator))
-    return sequences
+    return [Sequence(request=request, index=i, seed=base_seed + i) for i in range(request.params.n)]
 
 
 class Detokenizer:

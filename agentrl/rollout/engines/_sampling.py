@@ -1,13 +1,20 @@
-"""Per-row token selection for a batch whose rows carry different sampling settings.
+"""Per-row token selection for a batch whose rows carry different sampling settings, on the device.
 
 Why per row: the OpenAI API lets every request choose temperature, top_p, top_k and seed, and one
 decode step of the embedded engine mixes rows of many requests. Filtering (temperature, top-k,
-top-p) is vectorised over the batch; the final draw is done per row with that row's own
-`torch.Generator`, so a seeded request gives the same tokens whatever else shares its batch.
+top-p) and the draw are vectorised over the batch, so a step costs a handful of kernels and one
+copy to the host, whatever the batch size.
 
-Logprobs are always the log-softmax of the RAW logits (before temperature, top-k, top-p) at the
-chosen token: the log-probability of the token under the policy itself, which is what PPO/GRPO
-importance ratios need (verl and vLLM's default `logprobs_mode="raw_logprobs"` do the same).
+A draw depends only on the completion's seed and the token's position in it: the uniform number
+behind inverse-CDF sampling comes from a counter-based hash of (seed, position) (splitmix64, computed
+exactly in Python integers), not from a stateful generator. A seeded request therefore gives the
+same tokens whatever else shares its batch, on any device, and a resumed run redraws what the
+uninterrupted one drew.
+
+Logprobs are always the log-softmax of the RAW logits (before temperature, top-k, top-p and the
+min_tokens mask) at the chosen token: the log-probability of the token under the policy itself,
+which is what PPO/GRPO importance ratios need (verl and vLLM's default `logprobs_mode="raw_logprobs"`
+do the same).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -24,8 +33,13 @@ class RowSampling:
     temperature: float
     top_p: float
     top_k: int
-    generator: torch.Generator | None
+    seed: int
+    """The completion's seed: with `position`, all its draw depends on."""
+    position: int = 0
+    """Index of the token being drawn within the completion."""
     top_logprobs: int = 0
+    blocked_token_ids: tuple[int, ...] = ()
+    """Tokens this row cannot choose: EOS and stop tokens below `min_tokens` (vLLM's rule); logprobs stay raw."""
 
     @property
     def greedy(self) -> bool:
@@ -39,6 +53,19 @@ class StepResult:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float] | None]
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def uniform_draw(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) that depends only on (seed, position)."""
+    mixed = _splitmix64((_splitmix64(seed & _MASK64) + position) & _MASK64)
+    return (mixed >> 11) / float(1 << 53)
 
 
 def filter_logits(
@@ -72,6 +99,15 @@ def filter_logits(
     return torch.full_like(scaled, float("-inf")).scatter(1, sorted_idx, sorted_logits)
 
 
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token ids drawn from each row of `probs` (B, V) with the given uniforms (B,)."""
+    cdf = torch.cumsum(probs, dim=-1)
+    total = cdf[:, -1:]
+    # Strictly below the total mass, so the first cdf entry above it belongs to a token with mass.
+    targets = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
 def select_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> StepResult:
     """Choose the next token of every row and report its raw logprob (and top-k raw logprobs).
 
@@ -79,19 +115,32 @@ def select_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> StepResult:
     Greedy rows (temperature 0) take the argmax of the raw logits, like `generate(do_sample=False)`.
     """
     logits = logits.float()
+    dev = logits.device
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = torch.argmax(logits, dim=-1)
+    choice_logits = logits
+    blocked = [(i, t) for i, row in enumerate(rows) for t in row.blocked_token_ids if 0 <= t < logits.shape[-1]]
+    if blocked:
+        choice_logits = logits.clone()
+        row_idx, token_idx = torch.tensor(blocked, device=dev).unbind(1)
+        choice_logits[row_idx, token_idx] = float("-inf")
+    chosen = torch.argmax(choice_logits, dim=-1)
     sampled = [i for i, row in enumerate(rows) if not row.greedy]
     if sampled:
-        idx = torch.tensor(sampled, device=logits.device)
-        dev = logits.device
-        temperature = torch.tensor([rows[i].temperature for i in sampled], device=dev, dtype=torch.float32)
-        top_p = torch.tensor([rows[i].top_p for i in sampled], device=dev, dtype=torch.float32)
-        top_k = torch.tensor([rows[i].top_k for i in sampled], device=dev, dtype=torch.long)
-        probs = torch.softmax(filter_logits(logits[idx], temperature, top_p, top_k), dim=-1)
-        for j, i in enumerate(sampled):
-            chosen[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+        idx = torch.tensor(sampled, device=dev)
+        settings = [rows[i] for i in sampled]
+        temperature = torch.tensor([r.temperature for r in settings], device=dev, dtype=torch.float32)
+        top_p = torch.tensor([r.top_p for r in settings], device=dev, dtype=torch.float32)
+        top_k = torch.tensor([r.top_k for r in settings], device=dev, dtype=torch.long)
+        uniforms = torch.tensor(
+            [uniform_draw(r.seed, r.position) for r in settings], device=dev, dtype=torch.float32
+        )
+        part = choice_logits if len(sampled) == len(rows) else choice_logits[idx]
+        probs = torch.softmax(filter_logits(part, temperature, top_p, top_k), dim=-1)
+        chosen = chosen.index_copy(0, idx, _inverse_cdf(probs, uniforms))
     token_lp = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    # One copy to the host for the whole step (token ids < 2^24 are exact in float64 and in float32).
+    host = torch.stack([chosen.double(), token_lp.double()]).cpu()
+    token_ids = [int(t) for t in host[0].tolist()]
     tops: list[dict[int, float] | None] = [None] * len(rows)
     max_top = max((row.top_logprobs for row in rows), default=0)
     if max_top > 0:
@@ -101,4 +150,4 @@ def select_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> StepResult:
             if row.top_logprobs > 0:
                 k = row.top_logprobs
                 tops[i] = dict(zip(indices[i][:k], values[i][:k], strict=True))
-    return StepResult(token_ids=chosen.tolist(), logprobs=token_lp.tolist(), top_logprobs=tops)
+    return StepResult(token_ids=token_ids, logprobs=host[1].tolist(), top_logprobs=tops)

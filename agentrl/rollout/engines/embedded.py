@@ -3,18 +3,19 @@
 Choice of batching: transformers 5's own `ContinuousBatchingManager` (paged KV cache) was
 evaluated first and not used. Measured on CPU (tiny:qwen2, 64 prompts x 64 sampled tokens, one
 thread), `model.generate_batch(..., ContinuousBatchingConfig(return_logprobs=True))` made ~660
-tokens/s (manager start-up included), this engine ~7700 tokens/s called directly and ~4900
-through its HTTP server (docs/benchmarks.md). Beyond speed, it does not fit the API:
+tokens/s (manager start-up included). Beyond speed, it does not fit the API:
 (1) its sampling settings (temperature, top-p, top-k, do_sample) are per manager, and our API
 and the OpenAI protocol take them per request (train and validation differ, agents set their
 own); (2) its logprobs are `log(softmax(processed scores))`, i.e. after temperature and top-p,
 while RL needs the raw policy logprob, and `log(softmax)` underflows where `log_softmax` does not;
 (3) it samples with the global RNG, so per-request seeds cannot be honoured; (4) it has no stop
 strings. Instead a compact scheduler of our own runs in a background thread: between decode steps
-it admits waiting requests (prefilled as one left-padded batch, then concatenated to the running
-batch's `DynamicCache`) and retires finished rows (`_batch.py`); each row samples with its own
-settings and `torch.Generator` (`_sampling.py`). Per-request seeds therefore give the same
-tokens whatever else is in the batch, and greedy (temperature 0) equals `model.generate`'s greedy.
+it admits waiting requests (each prompt prefilled once, its KV shared by its `n` completions) and
+retires finished rows. For Llama-family models the running batch lives in a preallocated slot
+cache and each decode step is one CUDA graph replay on GPU (`_slot_batch.py`, `_slot_decode.py`);
+other models use transformers' `DynamicCache` (`_batch.py`). Each row samples with its own settings
+and seed, all rows in one vectorised draw (`_sampling.py`): per-request seeds give the same tokens
+whatever else is in the batch, and greedy (temperature 0) equals `model.generate`'s greedy.
 
 Logprobs are raw (log-softmax of the unprocessed logits at the sampled token), matching a
 teacher-forced forward pass of the same weights. Weight updates and LoRA merges take the step lock,
@@ -34,9 +35,11 @@ from typing import Any
 
 import torch
 
-from agentrl.rollout.engines._batch import PaddedBatch, decode, merge, prefill, select_rows
+from agentrl.rollout.engines._batch import DynamicBatch
 from agentrl.rollout.engines._requests import Detokenizer, Request, Sequence, StreamEvent, build_sequences
 from agentrl.rollout.engines._sampling import RowSampling, select_tokens
+from agentrl.rollout.engines._slot_batch import SlotBatch
+from agentrl.rollout.engines._slot_decode import slot_decode_unsupported
 from agentrl.rollout.engines._weights import LoraMerger, fingerprint_state_dict, load_weights_in_place
 from agentrl.types import GenerationOutput, SamplingParams
 
@@ -67,7 +70,9 @@ class EmbeddedEngine:
         *,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
+        """`cuda_graphs=False` decodes eagerly (verl's `enforce_eager`); it only matters on CUDA."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
@@ -81,7 +86,7 @@ class EmbeddedEngine:
         self._cond = threading.Condition()
         self._waiting: deque[tuple[Request, list[Sequence]]] = deque()
         self._rows: list[Sequence] = []
-        self._batch: PaddedBatch | None = None
+        self._batch = self._build_batch(cuda_graphs)
         self._asleep = False
         self._closed = False
         self._admin_waiting = 0
@@ -90,6 +95,15 @@ class EmbeddedEngine:
         self._recent: deque[tuple[float, int]] = deque()
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
         self._thread.start()
+
+    def _build_batch(self, cuda_graphs: bool) -> SlotBatch | DynamicBatch:
+        reason = slot_decode_unsupported(self.model)
+        if reason is not None:
+            logger.info("embedded engine: DynamicCache decoding (%s)", reason)
+            return DynamicBatch(self.model)
+        return SlotBatch(
+            self.model, max_slots=self.max_num_seqs, max_model_len=self.max_model_len, cuda_graphs=cuda_graphs
+        )
 
     # ----- generation -------------------------------------------------------------------------
     async def generate(
@@ -156,7 +170,7 @@ class EmbeddedEngine:
         with self._cond:
             if self._closed:
                 raise RuntimeError("engine is closed")
-            self._waiting.append((request, build_sequences(request, self._device)))
+            self._waiting.append((request, build_sequences(request)))
             self._cond.notify()
         return request
 
@@ -196,17 +210,21 @@ class EmbeddedEngine:
     def _step(self) -> None:
         admitted = self._admit()
         if self._rows:
-            logits = decode(self.model, self._batch, [seq.pending for seq in self._rows])
+            logits = self._batch.decode([seq.pending for seq in self._rows])
             self._append(self._rows, logits)
         if admitted:
-            batch, logits = prefill(self.model, [request.prompt_ids for request, _ in admitted])
-            expand = [i for i, (_, seqs) in enumerate(admitted) for _ in seqs]
-            if len(expand) != len(admitted):
-                batch = select_rows(batch, expand)
-                logits = logits[torch.tensor(expand, device=logits.device)]
+            try:
+                logits = self._batch.admit(
+                    [request.prompt_ids for request, _ in admitted],
+                    [len(seqs) for _, seqs in admitted],
+                    reserve=max(len(r.prompt_ids) + r.max_new_tokens for r, _ in admitted),
+                )
+            except Exception as error:  # not running yet: _fail_running would not reach them
+                for request, _ in admitted:
+                    self._deliver(request, error)
+                raise
             new_rows = [seq for _, seqs in admitted for seq in seqs]
             self._append(new_rows, logits)
-            self._batch = merge(self._batch, batch)
             self._rows = self._rows + new_rows
         self._retire()
 
@@ -217,8 +235,10 @@ class EmbeddedEngine:
                 temperature=s.request.params.temperature,
                 top_p=s.request.params.top_p,
                 top_k=s.request.params.top_k,
-                generator=s.generator,
+                seed=s.seed,
+                position=len(s.token_ids),
                 top_logprobs=s.request.top_logprobs,
+                blocked_token_ids=self._blocked_below_min_tokens(s),
             )
             for s in rows
         ]
@@ -241,11 +261,19 @@ class EmbeddedEngine:
         while self._recent and self._recent[0][0] < now - 10.0:
             self._recent.popleft()
 
+    def _blocked_below_min_tokens(self, seq: Sequence) -> tuple[int, ...]:
+        """Below `min_tokens`, EOS (unless ignored) and stop tokens cannot be drawn, as in vLLM."""
+        params = seq.request.params
+        if len(seq.token_ids) >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else tuple(self._detok.eos_token_ids)
+        return eos + tuple(params.stop_token_ids)
+
     def _retire(self) -> None:
         keep = [i for i, s in enumerate(self._rows) if s.finish_reason is None and not s.request.cancelled]
         self._sequences_finished += sum(s.finish_reason is not None for s in self._rows)
         if len(keep) != len(self._rows):
-            self._batch = select_rows(self._batch, keep) if keep else None
+            self._batch.keep(keep)
             self._rows = [self._rows[i] for i in keep]
 
     @staticmethod
@@ -263,7 +291,8 @@ class EmbeddedEngine:
                 self._waiting.clear()
         for request in failed.values():
             self._deliver(request, error)
-        self._rows, self._batch = [], None
+        self._rows = []
+        self._batch.clear()
 
     def decode(self, token_ids: list[int]) -> str:
         """Completion text of `token_ids` as `generate` reports it (control tokens dropped)."""
@@ -292,6 +321,7 @@ class EmbeddedEngine:
         steps; returns the new policy version."""
         with self._between_steps():
             load_weights_in_place(self.model, weights)
+            self._batch.drop_graphs()
             self._lora.forget_base()
             self.policy_version += 1
             return self.policy_version
@@ -304,6 +334,7 @@ class EmbeddedEngine:
         """
         with self._between_steps():
             self._lora.merge(self.model, name, path)
+            self._batch.drop_graphs()
             self.policy_version += 1
             return self.policy_version
 
@@ -324,7 +355,7 @@ class EmbeddedEngine:
                 raise RuntimeError(f"cannot sleep: {len(self._rows)} sequences are running")
             with self._cond:
                 self._asleep = True
-            self._batch = None
+            self._batch.clear()
             if self._device.type == "cuda":
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
@@ -349,14 +380,13 @@ class EmbeddedEngine:
         recent = list(self._recent)
         span = (recent[-1][0] - recent[0][0]) if len(recent) > 1 else 0.0
         throughput = sum(n for _, n in recent[1:]) / span if span > 0 else 0.0
-        batch = self._batch
         return {
             "running": len(self._rows),
             "waiting": waiting,
             "tokens_generated": self._tokens_generated,
             "sequences_finished": self._sequences_finished,
             "throughput_tokens_per_s": round(throughput, 2),
-            "kv_slots": batch.slots if batch is not None else 0,
+            "kv_slots": self._batch.slots,
             "sleeping": self._asleep,
             "policy_version": self.policy_version,
             "lora_adapter": self._lora.active,

@@ -190,4 +190,42 @@ def test_sleep_holds_requests_until_wake_up(engine, prompts):
             await asyncio.sleep(0.001)
 
     asyncio.run(run())
-    assert engine.stats()["kv_slots"] == 0 and engine.stats()["tokens_generated"] > 0  # cache freed
+    assert engine.stats()["tokens_generated"] > 0
+    assert engine.stats()["kv_slots"] >= 105  # the slot cache stays allocated while awake...
+    engine.sleep()
+    assert engine.stats()["kv_slots"] == 0  # ...and sleep frees it
+    engine.wake_up()
+
+
+def test_slot_cache_grows_while_rows_run_and_logprobs_stay_exact(model, tokenizer, prompts):
+    """A long request admitted next to running rows grows the slot cache (256 -> 512 positions) mid-flight."""
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=8, max_model_len=1024)
+    try:
+
+        async def run():
+            short = SamplingParams(temperature=1.0, max_tokens=120, n=3, seed=5, ignore_eos=True)
+            long = SamplingParams(temperature=1.0, max_tokens=300, seed=6, ignore_eos=True)
+            first = asyncio.create_task(engine.generate(prompts[0], short))
+            while engine.stats()["tokens_generated"] < 30:  # the short rows are running
+                await asyncio.sleep(0.001)
+            assert engine.stats()["kv_slots"] == 256
+            second = await engine.generate(prompts[1], long)
+            return await first, second
+
+        short_out, long_out = asyncio.run(run())
+        assert engine.stats()["kv_slots"] == 512
+        for prompt, out in [(prompts[0], o) for o in short_out] + [(prompts[1], long_out[0])]:
+            reference = _teacher_forced_logprobs(model, prompt, out.token_ids)
+            assert (reference - torch.tensor(out.logprobs)).abs().max().item() < 1e-4
+        assert len(long_out[0].token_ids) == 300
+    finally:
+        engine.close()
+
+
+def test_min_tokens_blocks_stop_tokens_from_being_drawn(engine, prompts):
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    first = asyncio.run(engine.generate(prompts[0], greedy))[0].token_ids[0]
+    blocked = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3, stop_token_ids=[first])
+    out = asyncio.run(engine.generate(prompts[0], blocked))[0]
+    assert first not in out.token_ids[:3]  # the argmax was blocked, another token was chosen
+    assert len(out.token_ids) >= 3

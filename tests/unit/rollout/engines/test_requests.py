@@ -7,7 +7,6 @@ real tokenizer, so every case is exact.
 import asyncio
 
 import pytest
-import torch
 
 from agentrl.models import load_tokenizer
 from agentrl.rollout.engines._requests import Detokenizer, Request, Sequence
@@ -26,7 +25,7 @@ def _run(tokenizer, tokens: list[int], max_tokens: int = 16, **params) -> tuple[
     loop = asyncio.new_event_loop()
     sampling = SamplingParams(max_tokens=max_tokens, **params)
     request = Request([1, 2, 3], sampling, 0, max_tokens, loop, asyncio.Queue())
-    seq = Sequence(request=request, index=0, generator=torch.Generator())
+    seq = Sequence(request=request, index=0, seed=0)
     detok = Detokenizer(tokenizer, {EOS})
     for token in tokens:
         seq.token_ids.append(token)

@@ -1,15 +1,15 @@
-"""Per-row sampling: filtering by hand-computed values, greedy, raw logprobs, per-row seeds."""
+"""Per-row sampling: filtering by hand-computed values, greedy, raw logprobs, per-row seeds, the draw's
+distribution, and tokens blocked below min_tokens."""
 
 import math
 
 import torch
 
-from agentrl.rollout.engines._sampling import RowSampling, filter_logits, select_tokens
+from agentrl.rollout.engines._sampling import RowSampling, filter_logits, select_tokens, uniform_draw
 
 
-def _row(temperature=1.0, top_p=1.0, top_k=-1, seed=None, top_logprobs=0):
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    return RowSampling(temperature, top_p, top_k, generator, top_logprobs)
+def _row(temperature=1.0, top_p=1.0, top_k=-1, seed=0, position=0, top_logprobs=0, blocked=()):
+    return RowSampling(temperature, top_p, top_k, seed, position, top_logprobs, tuple(blocked))
 
 
 def test_filter_logits_top_k_keeps_the_k_largest():
@@ -58,14 +58,43 @@ def test_sampled_logprob_is_raw_not_processed():
 
 def test_seeded_row_is_reproducible_whatever_shares_its_batch():
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
-    alone = [select_tokens(logits, [_row(seed=7)]).token_ids[0] for _ in range(1)]
     draws_alone, draws_batched = [], []
-    gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    for _ in range(20):
-        draws_alone.append(select_tokens(logits, [RowSampling(1.0, 1.0, -1, gen_a)]).token_ids[0])
+    for position in range(20):
+        draws_alone.append(select_tokens(logits, [_row(seed=7, position=position)]).token_ids[0])
         batch = torch.cat([torch.randn(1, 50), logits, torch.randn(1, 50)])
-        rows = [_row(seed=3), RowSampling(1.0, 1.0, -1, gen_b), _row(temperature=0.0)]
+        rows = [_row(seed=3, position=position), _row(seed=7, position=position), _row(temperature=0.0)]
         draws_batched.append(select_tokens(batch, rows).token_ids[1])
     assert draws_alone == draws_batched
-    assert alone[0] == draws_alone[0]
     assert len(set(draws_alone)) > 1  # it really samples
+    other_seed = [select_tokens(logits, [_row(seed=8, position=p)]).token_ids[0] for p in range(20)]
+    assert other_seed != draws_alone
+
+
+def test_uniform_draws_are_uniform_and_independent_of_neighbours():
+    draws = [uniform_draw(seed, position) for seed in range(50) for position in range(200)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.01
+    deciles = [sum(int(u * 10) == d for u in draws) / len(draws) for d in range(10)]
+    assert max(abs(f - 0.1) for f in deciles) < 0.01
+    assert uniform_draw(1, 0) != uniform_draw(0, 1)  # (seed, position) pairs do not alias
+
+
+def test_sampled_frequencies_follow_the_filtered_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.log(probs).unsqueeze(0).repeat(4000, 1)
+    rows = [_row(seed=11, position=p) for p in range(4000)]
+    counts = torch.bincount(torch.tensor(select_tokens(logits, rows).token_ids), minlength=4).float() / 4000
+    assert torch.allclose(counts, probs, atol=0.03), counts
+    # top_p=0.7 leaves [0.5, 0.3] renormalised to [0.625, 0.375].
+    rows = [_row(seed=11, position=p, top_p=0.7) for p in range(4000)]
+    counts = torch.bincount(torch.tensor(select_tokens(logits, rows).token_ids), minlength=4).float() / 4000
+    assert counts[2:].sum() == 0 and abs(counts[0].item() - 0.625) < 0.03
+
+
+def test_blocked_tokens_are_never_chosen_but_logprobs_stay_raw():
+    logits = torch.tensor([[5.0, 0.0, 0.0], [5.0, 0.0, 0.0]])
+    step = select_tokens(logits, [_row(temperature=0.0, blocked=[0]), _row(temperature=1.0, blocked=[0])])
+    assert 0 not in step.token_ids
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert math.isclose(step.logprobs[0], raw[step.token_ids[0]].item(), rel_tol=1e-6)
+    assert select_tokens(logits[:1], [_row(temperature=0.0)]).token_ids == [0]

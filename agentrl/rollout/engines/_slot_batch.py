@@ -1,0 +1,188 @@
+"""The running batch of the embedded engine over a preallocated slot cache, decoded under CUDA graphs.
+
+Each engine row owns a slot: a row of a (slots, kv_heads, length, D) key and value tensor per layer,
+where position p of the sequence lives at index p. Admitting requests prefills their prompts once
+(transformers' forward, left-padded together), copies each prompt's keys and values into as many
+slots as it has completions, and returns the logits of their last prompt token. A decode step feeds
+every row's pending token through `decode_step` over the first `bucket` slots (a power of two that
+covers the highest slot in use), replaying the CUDA graph captured for that bucket on CUDA.
+
+The cache length grows on demand (powers of two, up to max_model_len) and is freed by `clear`, so
+the hybrid engine's sleep returns the memory to training. Graphs point at the cache and the weights:
+they are dropped whenever either may have moved (growth, `clear`, weight loads, LoRA merges).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+
+import torch
+
+from agentrl.rollout.engines._batch import prefill
+from agentrl.rollout.engines._slot_decode import KVShape, decode_step
+
+logger = logging.getLogger(__name__)
+MIN_LENGTH = 256
+MIN_BUCKET = 8
+CACHE_SHARE_OF_FREE_MEMORY = 0.9
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
+
+
+class SlotBatch:
+    """Rows (in engine order) mapped to cache slots; admit, decode, keep, clear."""
+
+    def __init__(self, model: torch.nn.Module, *, max_slots: int, max_model_len: int, cuda_graphs: bool) -> None:
+        self.model = model
+        self.shape = KVShape.of(model)
+        self.max_slots = max_slots
+        self.max_model_len = max_model_len
+        self.device = next(model.parameters()).device
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.length = 0
+        self._free = list(range(max_slots))
+        self._row_slots: list[int] = []
+        self._row_positions: list[int] = []
+        self._token_ids = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        self._positions = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_pool = None
+
+    @property
+    def size(self) -> int:
+        return len(self._row_slots)
+
+    @property
+    def slots(self) -> int:
+        """Cache positions per slot (what `stats()` reports as kv_slots)."""
+        return self.length
+
+    # ----- rows ------------------------------------------------------------------------------------
+    def admit(self, prompts: list[list[int]], copies: list[int], reserve: int) -> torch.Tensor:
+        """Prefill `prompts`, give prompt i `copies[i]` slots; rows are appended. Returns their first logits.
+
+        `reserve`: the longest sequence (prompt + new tokens) any admitted row may reach.
+        """
+        self._ensure_length(reserve)
+        prefilled, logits = prefill(self.model, prompts)
+        source = torch.tensor([i for i, c in enumerate(copies) for _ in range(c)], device=self.device)
+        slots = [heapq.heappop(self._free) for _ in range(len(source))]
+        lengths = [len(prompts[i]) for i in source.tolist()]
+        self._copy_prompts(prefilled.cache, source, slots, prefilled.slots, lengths)
+        self._row_slots += slots
+        self._row_positions += lengths
+        return logits.index_select(0, source)
+
+    def _copy_prompts(self, cache, source: torch.Tensor, slots: list[int], padded: int, lengths: list[int]) -> None:
+        """Move left-padded prompt keys/values (row i starts at padded - len_i) to positions 0.. of the slots."""
+        shift = torch.tensor([padded - n for n in lengths], device=self.device)
+        index = (torch.arange(padded, device=self.device).unsqueeze(0) + shift.unsqueeze(1)).clamp_(max=padded - 1)
+        index = index[:, None, :, None].expand(len(slots), self.shape.kv_heads, padded, self.shape.head_dim)
+        target = torch.tensor(slots, device=self.device)
+        for layer, keys, values in zip(cache.layers, self.keys, self.values, strict=True):
+            keys[target, :, :padded] = layer.keys.index_select(0, source).gather(2, index)
+            values[target, :, :padded] = layer.values.index_select(0, source).gather(2, index)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (in that order); the other rows' slots are freed."""
+        kept = set(rows)
+        for i, slot in enumerate(self._row_slots):
+            if i not in kept:
+                heapq.heappush(self._free, slot)
+        self._row_slots = [self._row_slots[i] for i in rows]
+        self._row_positions = [self._row_positions[i] for i in rows]
+
+    def clear(self) -> None:
+        """Drop every row, the cache and the graphs (their memory goes back to the allocator)."""
+        self._row_slots, self._row_positions = [], []
+        self._free = list(range(self.max_slots))
+        self.keys, self.values, self.length = [], [], 0
+        self.drop_graphs()
+
+    def drop_graphs(self) -> None:
+        """Forget captured graphs: the weights or the cache they point at may have moved."""
+        self._graphs.clear()
+        self._graph_pool = None
+
+    # ----- decoding --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, token_ids: list[int]) -> torch.Tensor:
+        """Feed each row's pending token; return logits (rows, V) in row order."""
+        bucket = self._bucket(max(self._row_slots) + 1)
+        ids, positions = [0] * bucket, [0] * bucket
+        for slot, token, position in zip(self._row_slots, token_ids, self._row_positions, strict=True):
+            ids[slot], positions[slot] = token, position
+        self._token_ids[:bucket].copy_(torch.tensor(ids), non_blocking=True)
+        self._positions[:bucket].copy_(torch.tensor(positions), non_blocking=True)
+        if self.cuda_graphs:
+            graph, logits = self._graph(bucket)
+            graph.replay()
+        else:
+            logits = self._step(bucket)
+        self._row_positions = [p + 1 for p in self._row_positions]
+        return logits.index_select(0, torch.tensor(self._row_slots, device=self.device))
+
+    def _step(self, bucket: int) -> torch.Tensor:
+        return decode_step(self.model, self.keys, self.values, self._token_ids[:bucket], self._positions[:bucket])
+
+    def _bucket(self, needed: int) -> int:
+        return min(self.max_slots, max(MIN_BUCKET, _next_power_of_two(needed)))
+
+    def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of a decode step over `bucket` slots, captured with the current inputs.
+
+        Warm-up and capture run the step on the inputs already in place, so the keys and values they write
+        are the ones the replay writes again.
+        """
+        if bucket not in self._graphs:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._step(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                logits = self._step(bucket)
+            self._graphs[bucket] = (graph, logits)
+        return self._graphs[bucket]
+
+    # ----- memory ----------------------------------------------------------------------------------
+    def _ensure_length(self, needed: int) -> None:
+        if needed <= self.length:
+            return
+        length = min(self.max_model_len, max(MIN_LENGTH, _next_power_of_two(needed)))
+        size = (self.max_slots, self.shape.kv_heads, length, self.shape.head_dim)
+        self._check_memory(length)
+        keys = [torch.zeros(size, dtype=self.shape.dtype, device=self.device) for _ in range(self.shape.layers)]
+        values = [torch.zeros(size, dtype=self.shape.dtype, device=self.device) for _ in range(self.shape.layers)]
+        for new, old in zip(keys + values, self.keys + self.values, strict=False):
+            new[:, :, : self.length] = old
+        self.keys, self.values, self.length = keys, values, length
+        self.drop_graphs()
+        logger.info(
+            "embedded engine: KV cache of %d slots x %d positions (%.2f GiB)",
+            self.max_slots,
+            length,
+            self.max_slots * length * self.shape.bytes_per_token() / 2**30,
+        )
+
+    def _check_memory(self, length: int) -> None:
+        if self.device.type != "cuda":
+            return
+        needed = self.max_slots * length * self.shape.bytes_per_token()
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        held = self.max_slots * self.length * self.shape.bytes_per_token()  # freed once the copy is done
+        if needed > CACHE_SHARE_OF_FREE_MEMORY * free:
+            raise RuntimeError(
+                f"the embedded engine's KV cache for {self.max_slots} sequences x {length} positions needs "
+                f"{needed / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB are free (besides {held / 2**30:.1f} GiB "
+                f"held now): lower actor_rollout_ref.rollout.max_num_seqs or data.max_response_length"
+            )
