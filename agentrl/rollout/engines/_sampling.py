@@ -118,7 +118,9 @@ def select_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> StepResult:
     dev = logits.device
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     choice_logits = logits
-    blocked = [(i, t) for i, row in enumerate(rows) for t in row.blocked_token_ids if 0 <= t < logits.shape[-1]]
+    blocked = [
+        (i, t) for i, row in enumerate(rows) for t in row.blocked_token_ids if 0 <= t < logits.shape[-1]
+    ]
     if blocked:
         choice_logits = logits.clone()
         row_idx, token_idx = torch.tensor(blocked, device=dev).unbind(1)

@@ -35,7 +35,9 @@ def _next_power_of_two(value: int) -> int:
 class SlotBatch:
     """Rows (in engine order) mapped to cache slots; admit, decode, keep, clear."""
 
-    def __init__(self, model: torch.nn.Module, *, max_slots: int, max_model_len: int, cuda_graphs: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, max_slots: int, max_model_len: int, cuda_graphs: bool
+    ) -> None:
         self.model = model
         self.shape = KVShape.of(model)
         self.max_slots = max_slots
@@ -78,10 +80,14 @@ class SlotBatch:
         self._row_positions += lengths
         return logits.index_select(0, source)
 
-    def _copy_prompts(self, cache, source: torch.Tensor, slots: list[int], padded: int, lengths: list[int]) -> None:
+    def _copy_prompts(
+        self, cache, source: torch.Tensor, slots: list[int], padded: int, lengths: list[int]
+    ) -> None:
         """Move left-padded prompt keys/values (row i starts at padded - len_i) to positions 0.. of the slots."""
         shift = torch.tensor([padded - n for n in lengths], device=self.device)
-        index = (torch.arange(padded, device=self.device).unsqueeze(0) + shift.unsqueeze(1)).clamp_(max=padded - 1)
+        index = (torch.arange(padded, device=self.device).unsqueeze(0) + shift.unsqueeze(1)).clamp_(
+            max=padded - 1
+        )
         index = index[:, None, :, None].expand(len(slots), self.shape.kv_heads, padded, self.shape.head_dim)
         target = torch.tensor(slots, device=self.device)
         for layer, keys, values in zip(cache.layers, self.keys, self.values, strict=True):
@@ -128,7 +134,9 @@ class SlotBatch:
         return logits.index_select(0, torch.tensor(self._row_slots, device=self.device))
 
     def _step(self, bucket: int) -> torch.Tensor:
-        return decode_step(self.model, self.keys, self.values, self._token_ids[:bucket], self._positions[:bucket])
+        return decode_step(
+            self.model, self.keys, self.values, self._token_ids[:bucket], self._positions[:bucket]
+        )
 
     def _bucket(self, needed: int) -> int:
         return min(self.max_slots, max(MIN_BUCKET, _next_power_of_two(needed)))
@@ -160,8 +168,12 @@ class SlotBatch:
         length = min(self.max_model_len, max(MIN_LENGTH, _next_power_of_two(needed)))
         size = (self.max_slots, self.shape.kv_heads, length, self.shape.head_dim)
         self._check_memory(length)
-        keys = [torch.zeros(size, dtype=self.shape.dtype, device=self.device) for _ in range(self.shape.layers)]
-        values = [torch.zeros(size, dtype=self.shape.dtype, device=self.device) for _ in range(self.shape.layers)]
+        keys = [
+            torch.zeros(size, dtype=self.shape.dtype, device=self.device) for _ in range(self.shape.layers)
+        ]
+        values = [
+            torch.zeros(size, dtype=self.shape.dtype, device=self.device) for _ in range(self.shape.layers)
+        ]
         for new, old in zip(keys + values, self.keys + self.values, strict=False):
             new[:, :, : self.length] = old
         self.keys, self.values, self.length = keys, values, length

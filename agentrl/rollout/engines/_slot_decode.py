@@ -43,7 +43,9 @@ class KVShape:
         return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype)
 
     def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        return (
+            2 * self.layers * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        )
 
 
 def slot_decode_unsupported(model: torch.nn.Module) -> str | None:
