@@ -103,6 +103,8 @@ class Step(BaseModel):
     done: bool = False
     messages: list[dict[str, Any]] = Field(default_factory=list)
     model_response: str = ""
+    tool_calls: list[dict[str, Any]] | None = None
+    """The tool calls of the model's reply, in OpenAI form (None when it called none)."""
     finish_reason: str = ""
     advantage: float | None = None
     info: dict[str, Any] = Field(default_factory=dict)
@@ -131,6 +133,9 @@ class Episode(BaseModel):
     reward: float = 0.0
     error: str | None = None
     metrics: dict[str, float] = Field(default_factory=dict)
+    filter_reason: str | None = None
+    """Why training left this episode out (error, evaluator_error, compact_filtering, rejection_sampling,
+    batch_full); None when it was kept. Set by the controller, saved with the rollouts."""
 
 
 class EvalOutput(BaseModel):

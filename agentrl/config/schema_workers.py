@@ -164,6 +164,8 @@ class RolloutConfig(_Section):
     """Training nucleus sampling threshold."""
     top_k: int = Field(-1, ge=-1)
     """Training top-k; -1 disables."""
+    ignore_eos: bool = False
+    """Training answers run to data.max_response_length past EOS (vLLM's `ignore_eos`): for benchmarks."""
     max_num_seqs: int = Field(64, ge=1)
     """Most sequences an engine generates at once."""
     max_model_len: int | None = Field(None, ge=1)
@@ -172,6 +174,8 @@ class RolloutConfig(_Section):
     """Devices per vLLM server (tensor parallelism)."""
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
     """Fraction of device memory vLLM may use."""
+    enforce_eager: bool = False
+    """Decode without CUDA graphs (the embedded engine captures one per batch bucket on CUDA)."""
     free_cache_engine: bool = True
     """Free the engine's KV cache while training (hybrid engine sleep/wake)."""
     num_servers: int = Field(1, ge=1)

@@ -184,8 +184,13 @@ def step_from_trace(trace: Trace) -> Step:
         logprobs=trace.logprobs,
         messages=trace.messages or [],
         model_response=trace.completion_text,
+        tool_calls=trace.tool_calls,
         finish_reason=trace.finish_reason,
-        info={"policy_version": trace.policy_version, "request_id": trace.request_id},
+        info={
+            "policy_version": trace.policy_version,
+            "request_id": trace.request_id,
+            "latency_s": trace.latency_s,
+        },
     )
 
 

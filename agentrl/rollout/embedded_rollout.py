@@ -59,7 +59,11 @@ def start_embedded_rollout(model_path: str, tokenizer: Any, config: Any, *, devi
     rollout = config.actor_rollout_ref.rollout
     model = load_causal_lm(model_path, dtype=config.actor_rollout_ref.model.dtype, device=device)
     engine = EmbeddedEngine(
-        model, tokenizer, max_num_seqs=rollout.max_num_seqs, max_model_len=rollout.max_model_len
+        model,
+        tokenizer,
+        max_num_seqs=rollout.max_num_seqs,
+        max_model_len=rollout.max_model_len,
+        cuda_graphs=not rollout.enforce_eager,
     )
     name = served_model_name(config)
     app = build_server_app(

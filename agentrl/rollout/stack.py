@@ -25,6 +25,7 @@ def build_sampling_params(config: Any) -> tuple[SamplingParams, SamplingParams]:
         top_k=rollout.top_k,
         max_tokens=max_tokens,
         seed=config.trainer.seed,
+        ignore_eos=rollout.ignore_eos,
     )
     val = rollout.val_kwargs
     validation = SamplingParams(
