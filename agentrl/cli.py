@@ -32,6 +32,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "sft": Command("agentrl.trainer_cli:sft_main", "supervised fine-tuning warm start (Hydra overrides)"),
     "serve": Command("agentrl.rollout.serve:main", "serve a policy behind an OpenAI-compatible endpoint"),
+    "rollouts": Command("agentrl.rollouts_cli:main", "print a run's saved episodes (RUN_DIR [--step N])"),
 }
 """Subcommand name -> where its entry point lives."""
 

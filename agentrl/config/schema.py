@@ -203,7 +203,11 @@ class TrainerConfig(_Section):
     resume_from_path: str | None = None
     """Checkpoint folder (global_step_N) to resume from when resume_mode is resume_path."""
     logger: list[Literal["console", "mlflow"]] = Field(default_factory=lambda: ["console", "mlflow"])
-    """Metric sinks."""
+    """Metric sinks; with mlflow, saved episodes are also logged as MLflow traces."""
+    rollout_data_dir: str | None = None
+    """Folder for every step's episodes as JSONL (docs/rollouts.md); null is `<default_local_dir>/rollouts`."""
+    rollout_data_fraction: float = Field(1.0, ge=0.0, le=1.0)
+    """Share of each step's episodes saved (picked by episode id, the same on a rerun); 0 saves none."""
     project_name: str = Field("agentrl", min_length=1)
     """Project (MLflow experiment) name."""
     experiment_name: str = Field("default", min_length=1)

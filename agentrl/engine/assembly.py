@@ -111,7 +111,10 @@ _FIELDS = (
 def episodes_to_rows(
     episodes: Sequence[Episode], *, merge_steps: bool = True, max_length: int | None = None
 ) -> tuple[list[TrainingRow], AssemblyStats]:
-    """Rows for every trainable step of every episode (steps marked `excluded` are skipped)."""
+    """Rows for every trainable step of every episode (steps marked `excluded` are skipped).
+
+    Each trainable step's `info["row"]` is set to the index of the row that holds it.
+    """
     rows: list[TrainingRow] = []
     stats = AssemblyStats()
     for e_index, episode in enumerate(episodes):
@@ -131,6 +134,7 @@ def episodes_to_rows(
             for k, (s_index, step) in enumerate(steps):
                 context = current.input_ids if current is not None else None
                 if merge_steps and context is not None and step.prompt_ids[: len(context)] == context:
+                    step.info["row"] = len(rows) - 1
                     observation = step.prompt_ids[len(context) :]
                     current.input_ids += observation + step.response_ids
                     current.loss_mask += [0] * len(observation) + [1] * len(step.response_ids)
@@ -148,6 +152,7 @@ def episodes_to_rows(
                     num_steps_in_trajectory=len(steps),
                     episode_index=e_index,
                 )
+                step.info["row"] = len(rows)
                 rows.append(current)
     for row in rows:
         if max_length is not None and len(row.input_ids) > max_length:
@@ -155,6 +160,23 @@ def episodes_to_rows(
             stats.truncated_rows += 1
     stats.rows = len(rows)
     return rows, stats
+
+
+def write_step_advantages(episodes: Sequence[Episode], batch: TrainBatch) -> None:
+    """Give every trained step of `episodes` (those `episodes_to_rows` built `batch` from) its row's advantage.
+
+    A step's advantage is the mean of `batch["advantages"]` (B, L) over its row's response tokens (the
+    whole row's, when steps merged into one row); steps that made no row keep None. It is what the saved
+    rollouts show (docs/rollouts.md); training never reads it.
+    """
+    mask = batch.response_mask.float()
+    per_row = ((batch["advantages"] * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).tolist()
+    for episode in episodes:
+        for trajectory in episode.trajectories:
+            for step in trajectory.steps:
+                row = step.info.get("row")
+                if row is not None and "excluded" not in step.info:
+                    step.advantage = per_row[row]
 
 
 def _step_reward(step_reward: float, outcome: float, index: int, num_steps: int) -> float:

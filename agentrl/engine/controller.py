@@ -31,7 +31,7 @@ from agentrl.checkpoint import (
     save_checkpoint,
 )
 from agentrl.data import RLDataLoader
-from agentrl.engine.assembly import TrainBatch, episodes_to_rows, rows_to_batch
+from agentrl.engine.assembly import TrainBatch, episodes_to_rows, rows_to_batch, write_step_advantages
 from agentrl.engine.batch_advantages import compute_batch_advantages
 from agentrl.engine.critic_worker import CriticWorker
 from agentrl.engine.metrics import (
@@ -41,6 +41,7 @@ from agentrl.engine.metrics import (
     group_ids_of,
 )
 from agentrl.engine.policy_worker import PolicyWorker
+from agentrl.engine.rollout_log import ROLLOUTS_DIR, RolloutLog, config_hash
 from agentrl.engine.worker_group import LocalWorkerGroup, WorkerGroup
 from agentrl.evaluator import Evaluator, score_episode
 from agentrl.flow import AgentFlow
@@ -110,6 +111,14 @@ def build_worker_groups(
     return policy, critic, cluster
 
 
+def _drop(episodes: list[Episode], keep: Sequence[bool], reason: str) -> list[Episode]:
+    """The episodes whose `keep` flag is set; the others get `filter_reason = reason`."""
+    for episode, k in zip(episodes, keep, strict=True):
+        if not k:
+            episode.filter_reason = reason
+    return [e for e, k in zip(episodes, keep, strict=True) if k]
+
+
 class Controller:
     """Runs RL training of `flow` scored by `evaluator` on the configured workers and engines."""
 
@@ -141,6 +150,7 @@ class Controller:
         self.cluster = None
         self.stack = None
         self.tracker = None
+        self.rollout_log = None
 
     # ---- setup ------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -185,6 +195,12 @@ class Controller:
             config=cfg.model_dump(),
             resume=resume_from is not None,
         )
+        self.rollout_log = RolloutLog(
+            Path(cfg.trainer.rollout_data_dir or self.run_dir / ROLLOUTS_DIR),
+            fraction=cfg.trainer.rollout_data_fraction,
+            config_digest=config_hash(cfg),
+            on_records=self.tracker.log_rollouts,
+        )
         if resume_from is not None:
             # Last, so nothing built above draws from the restored generators before step one.
             self.collector.load_state_dict(load_trainer_state(resume_from).get("collector", {"rounds": 0}))
@@ -213,6 +229,9 @@ class Controller:
                 batch = self.assemble(kept, metrics)
                 if batch is not None:
                     metrics.update(self.update(batch, timing))
+                    write_step_advantages(kept, batch)
+                with _timer(timing, "save_rollouts"):
+                    self.rollout_log.write(step, episodes)
             self.global_step = step
             tokens = metrics.get("response_length/mean", 0.0) * metrics.get("batch/rows", 0.0)
             metrics.update(timing, **{"perf/throughput": tokens / max(timing["timing/step"], 1e-9)})
@@ -318,6 +337,7 @@ class Controller:
 
         With rejection sampling, rounds of new tasks are drawn until data.train_batch_size tasks survive the
         filters (partially solved ones under mode=solve_partial) or agent.rejection_sample.multiplier rounds ran.
+        Episodes left out get their `filter_reason` (the tasks beyond the batch of a refill round: batch_full).
         """
         reject = self.config.agent.rejection_sample
         rounds = reject.multiplier if reject.enable else 1
@@ -331,21 +351,28 @@ class Controller:
             kept += self.filter_episodes(episodes)
             if len({e.task_id for e in kept}) >= self.config.data.train_batch_size:
                 break
-        task_ids = list(dict.fromkeys(e.task_id for e in kept))[: self.config.data.train_batch_size]
-        return all_episodes, [e for e in kept if e.task_id in set(task_ids)]
+        task_ids = set(list(dict.fromkeys(e.task_id for e in kept))[: self.config.data.train_batch_size])
+        for episode in kept:
+            if episode.task_id not in task_ids:
+                episode.filter_reason = "batch_full"
+        return all_episodes, [e for e in kept if e.task_id in task_ids]
 
     def filter_episodes(self, episodes: list[Episode]) -> list[Episode]:
-        """Drop failed rollouts and bad scores, then compact filtering, then rejection sampling."""
-        episodes = [
-            e
-            for e in episodes
-            if e.termination_reason != TerminationReason.ERROR and not e.metrics.get("evaluator_error")
-        ]
+        """Drop failed rollouts and bad scores, then compact filtering, then rejection sampling.
+
+        Each dropped episode gets its `filter_reason`, which the saved rollouts show.
+        """
+        for episode in episodes:
+            if episode.termination_reason == TerminationReason.ERROR:
+                episode.filter_reason = "error"
+            elif episode.metrics.get("evaluator_error"):
+                episode.filter_reason = "evaluator_error"
+        episodes = [e for e in episodes if e.filter_reason is None]
         compact = self.config.agent.compact_filtering
         if compact.enable and episodes:
             masked = build_masked_reasons(**compact.model_dump(exclude={"enable"}))
             keep = compact_filter_keep([e.termination_reason for e in episodes], masked)
-            episodes = [e for e, k in zip(episodes, keep, strict=True) if k]
+            episodes = _drop(episodes, keep, "compact_filtering")
         reject = self.config.agent.rejection_sample
         if reject.enable and episodes:
             keep = rejection_sample_keep(
@@ -354,7 +381,7 @@ class Controller:
                 is_correct=torch.tensor([e.is_correct for e in episodes]),
                 group_ids=group_ids_of(episodes),
             )
-            episodes = [e for e, k in zip(episodes, keep.tolist(), strict=True) if k]
+            episodes = _drop(episodes, keep.tolist(), "rejection_sampling")
         return episodes
 
     def assemble(self, episodes: list[Episode], metrics: dict[str, float]) -> TrainBatch | None:
@@ -385,6 +412,8 @@ class Controller:
         episodes = []
         for start in range(0, len(self.val_tasks), size):
             episodes += self.run_episodes(self.val_tasks[start : start + size], val.n, "val", "validate")
+        if self.rollout_log is not None:
+            self.rollout_log.write(self.global_step, episodes, split="val")
         return compute_validation_metrics(episodes)
 
     # ---- checkpoints ------------------------------------------------------------------------------

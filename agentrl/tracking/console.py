@@ -52,5 +52,8 @@ class ConsoleBackend:
     def log_artifact(self, path: Path) -> None:
         pass
 
+    def log_rollouts(self, records: list[dict], step: int) -> None:
+        pass  # `agentrl rollouts RUN_DIR` prints them
+
     def finish(self, status: str) -> None:
         pass

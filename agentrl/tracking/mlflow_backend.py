@@ -70,6 +70,8 @@ class MlflowBackend:
         self._renamed: dict[str, str] = {}
         self._logged_params: dict[str, str] = {}
         self._finished = False
+        self._trace_failures = 0
+        self._traces = None
 
         experiment = self._client.get_experiment_by_name(project_name)
         if experiment is None:
@@ -78,6 +80,7 @@ class MlflowBackend:
             experiment_id = self._client.create_experiment(project_name, artifact_location=location)
         else:
             experiment_id = experiment.experiment_id
+        self.experiment_id = experiment_id
 
         id_file = run_dir / RUN_ID_FILE
         self.run_id = self._reopen_run(id_file, experiment_id) if resume else None
@@ -151,21 +154,47 @@ class MlflowBackend:
     def log_artifact(self, path: Path) -> None:
         self._client.log_artifact(self.run_id, str(path))
 
+    def log_rollouts(self, records: list[dict], step: int) -> None:
+        """One MLflow trace per saved episode; a failure is reported once and never stops training."""
+        from agentrl.tracking.mlflow_traces import EpisodeTraceWriter
+
+        try:
+            if self._traces is None:
+                self._traces = EpisodeTraceWriter(
+                    tracking_uri=self.tracking_uri, experiment_id=self.experiment_id, run_id=self.run_id
+                )
+            self._traces.log(records)
+        except Exception as err:  # noqa: BLE001 - traces are a view; the JSONL files hold the episodes
+            self._trace_failed(f"step {step}'s episodes", err)
+
+    def _trace_failed(self, what: str, err: Exception) -> None:
+        if self._trace_failures == 0:
+            logger.warning(
+                "MLflow: could not log %s as traces (%r); training goes on and the rollout files are "
+                "complete. Later failures are counted, not reported.",
+                what,
+                err,
+            )
+        self._trace_failures += 1
+
     def finish(self, status: str) -> None:
         if self._finished:
             return
         self._finished = True
+        if self._traces is not None:
+            try:
+                self._traces.close()
+            except Exception as err:  # noqa: BLE001
+                self._trace_failed("the last episodes", err)
         if self._skipped:
             logger.warning("MLflow: skipped non-finite metric values: %s", dict(self._skipped))
+        if self._trace_failures > 1:
+            logger.warning("MLflow: %d attempts to log episodes as traces failed", self._trace_failures)
         self._client.set_terminated(self.run_id, status=status)
 
     @property
     def skipped_non_finite(self) -> dict[str, int]:
         return dict(self._skipped)
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def _now_ms() -> int:

@@ -87,6 +87,11 @@ class Tracker:
         for backend in self.backends.values():
             backend.log(values, step)
 
+    def log_rollouts(self, records: list[dict[str, Any]], step: int) -> None:
+        """Hand one step's saved episodes (agentrl.engine.rollout_log records) to backends that show them."""
+        for backend in self.backends.values():
+            backend.log_rollouts(records, step)
+
     def log_params_once(self, config: Mapping[str, Any] | Any) -> None:
         """Log the flattened config as params; later calls in this process do nothing."""
         if self._params_logged:
