@@ -113,7 +113,9 @@ def test_cli_prints_one_episode(mlflow_run):
     assert f"episode {second['episode_id']}" in shown.stdout
     assert "[user] " in shown.stdout and "[assistant] " in shown.stdout
     assert f"ended {second['termination_reason']}" in shown.stdout
-    missing = subprocess.run([agentrl, "rollouts", str(mlflow_run), "--step", "7"], capture_output=True, text=True)
+    missing = subprocess.run(
+        [agentrl, "rollouts", str(mlflow_run), "--step", "7"], capture_output=True, text=True
+    )
     assert missing.returncode == 1 and "no train rollouts of step 7 (saved steps: 1, 2)" in missing.stderr
 
 
@@ -128,7 +130,9 @@ def test_mlflow_search_traces_returns_the_last_steps_episodes(mlflow_run):
     import mlflow
     from mlflow.entities import SpanType
 
-    last = [json.loads(line) for line in (mlflow_run / "rollouts" / "step_000002.jsonl").read_text().splitlines()]
+    last = [
+        json.loads(line) for line in (mlflow_run / "rollouts" / "step_000002.jsonl").read_text().splitlines()
+    ]
     before = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(f"sqlite:///{mlflow_run}/mlflow.db")
     try:
@@ -149,7 +153,10 @@ def test_mlflow_search_traces_returns_the_last_steps_episodes(mlflow_run):
         assert float(trace.info.tags["agentrl.reward"]) == record["reward"]
         chat = [s for s in trace.data.spans if s.span_type == SpanType.CHAT_MODEL]
         assert len(chat) == 1
-        assert chat[0].outputs["choices"][0]["message"]["content"] == record["trajectories"][0]["steps"][0]["response"]
+        assert (
+            chat[0].outputs["choices"][0]["message"]["content"]
+            == record["trajectories"][0]["steps"][0]["response"]
+        )
 
 
 def test_fraction_saves_the_sampled_episodes_in_the_configured_folder(tmp_path, rows):
@@ -164,7 +171,9 @@ def test_fraction_saves_the_sampled_episodes_in_the_configured_folder(tmp_path, 
         "trainer.total_training_steps=1",
         "data.shuffle=false",
     )
-    saved = [json.loads(line)["episode_id"] for line in (folder / "step_000001.jsonl").read_text().splitlines()]
+    saved = [
+        json.loads(line)["episode_id"] for line in (folder / "step_000001.jsonl").read_text().splitlines()
+    ]
     # Unshuffled: step 1 runs rows 0-3, 2 samples each.
     step_one = [f"train-{row['extra_info']['index']}:{k}" for row in rows[:4] for k in range(2)]
     assert sorted(saved) == sorted(e for e in step_one if is_sampled(e, 1, "train", 0.5))

@@ -139,3 +139,26 @@ def test_rows_to_batch_right_pads_shorter_rows():
 def test_rows_to_batch_refuses_an_empty_batch():
     with pytest.raises(ValueError, match="no training rows"):
         rows_to_batch([], pad_token_id=PAD)
+
+
+def test_each_trained_step_gets_the_mean_advantage_of_its_row():
+    from agentrl.engine.assembly import write_step_advantages
+
+    merged = _episode([_step([1, 2], [3, 4]), _step([1, 2, 3, 4, 5], [6])], task_id="t0")
+    split = _episode([_step([1, 2], [3]), _step([9, 9], [7, 8])], task_id="t1")
+    short = _step([1], [2, 3], logprobs=[-0.1])  # one logprob for two tokens: excluded, no row
+    excluded = _episode([short], task_id="t2")
+    episodes = [merged, split, excluded]
+    rows, _ = episodes_to_rows(episodes)
+    batch = rows_to_batch(rows, pad_token_id=PAD)
+    # Row 0 (t0, merged): response tokens at positions 2, 3 and 5. Rows 1, 2: t1's two steps.
+    advantages = torch.zeros_like(batch.rollout_log_probs)
+    advantages[0, [2, 3, 5]] = torch.tensor([1.0, 2.0, 3.0])
+    advantages[0, 4] = 100.0  # an observation token: not a response token, not counted
+    advantages[1, 2] = -1.0
+    advantages[2, 2:4] = torch.tensor([0.5, 1.5])
+    batch["advantages"] = advantages
+    write_step_advantages(episodes, batch)
+    assert [s.advantage for s in merged.trajectories[0].steps] == [2.0, 2.0]
+    assert [s.advantage for s in split.trajectories[0].steps] == [-1.0, 1.0]
+    assert short.advantage is None
