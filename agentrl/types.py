@@ -78,6 +78,9 @@ class Trace(BaseModel):
     completion_text: str = ""
     tool_calls: list[dict[str, Any]] | None = None
     choice_index: int = 0
+    images: list[str] | None = None
+    """The resized images behind the prompt's image pads (PNG data URLs, in prompt order): the reference
+    training rebuilds the exact pixel inputs from. None for a text-only prompt."""
 
 
 class Task(BaseModel):
@@ -99,6 +102,8 @@ class Step(BaseModel):
     prompt_ids: list[int] = Field(default_factory=list)
     response_ids: list[int] = Field(default_factory=list)
     logprobs: list[float] = Field(default_factory=list)
+    images: list[str] = Field(default_factory=list)
+    """The prompt's images (PNG data URLs of what the engine saw, in order); empty for text prompts."""
     reward: float = 0.0
     done: bool = False
     messages: list[dict[str, Any]] = Field(default_factory=list)

@@ -6,12 +6,14 @@ A row is what verl users already have on disk:
      "data_source": "openai/gsm8k",                           # picks the reward function / metric name
      "reward_model": {"style": "rule", "ground_truth": "72"},
      "extra_info": {...},                                     # optional, passed through
-     "images": ["path/or/data-url", ...],                     # optional, multi-modal rows
+     "images": ["path/or/data-url", ...],                     # optional, one per <image> in the text
      "tools": [{"type": "function", "function": {...}}]}      # optional, OpenAI tool schemas
 
 The messages live under `data.prompt_key` ("prompt" unless configured otherwise). Rows are validated
 when loaded, so a bad file fails before any model loads, with a message that names the file, the row
-index and the field; a file with no rows at all is an error naming the file.
+index and the field; a file with no rows at all is an error naming the file. Images may also be OpenAI
+`image_url` content parts; remote (http) images are refused, since nothing is downloaded at run time
+(`agentrl.data.images` turns rows into the messages a vision-language policy is sent).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
 _URL_PREFIXES = ("data:", "http://", "https://", "file://")
+_REMOTE = ("http://", "https://")
+_OFFLINE_HINT = "remote images are not downloaded at run time; save the file and give its path or a data: URL"
 
 
 class DatasetError(ValueError):
@@ -126,6 +130,11 @@ def validate_row(row: Any, index: int, source: str, prompt_key: str = "prompt") 
     out = {**row, "extra_info": extra_info if extra_info is not None else {}}
     if row.get("images") is not None:
         out["images"] = _validate_images(row["images"], Path(source).parent, fail)
+        placeholders = sum(m["content"].count("<image>") for m in prompt if isinstance(m["content"], str))
+        if placeholders and placeholders != len(out["images"]):
+            raise fail(
+                "images", f"has {len(out['images'])} images but {prompt_key} has {placeholders} <image>"
+            )
     if row.get("tools") is not None:
         _validate_tools(row["tools"], fail)
     return out
@@ -157,14 +166,20 @@ def _validate_message(message: Any, field: str, fail) -> None:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                 raise fail(f"{field}.content[{j}]", f"must be an object with a 'type', got {_describe(part)}")
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if isinstance(url, str) and url.startswith(_REMOTE):
+                raise fail(f"{field}.content[{j}].image_url", f"is {url[:60]!r}: {_OFFLINE_HINT}")
 
 
 def _validate_images(images: Any, base_dir: Path, fail) -> list[Any]:
-    """Images are paths, URLs (data:, file://, http) or verl's {"bytes", "path"} / {"image": ...} dicts."""
+    """Images are paths, data:/file:// URLs, PIL images, or verl's {"bytes", "path"} / {"image": ...} dicts."""
     if not isinstance(images, list):
         raise fail("images", f"must be a list of image paths or data URLs, got {_describe(images)}")
     resolved = []
     for k, image in enumerate(images):
+        if isinstance(image, str) and image.startswith(_REMOTE):
+            raise fail(f"images[{k}]", f"is {image[:60]!r}: {_OFFLINE_HINT}")
         if isinstance(image, str):
             if not image.startswith(_URL_PREFIXES) and not Path(image).is_absolute():
                 image = str(base_dir / image)  # relative paths are relative to the dataset file
@@ -172,6 +187,8 @@ def _validate_images(images: Any, base_dir: Path, fail) -> list[Any]:
         elif isinstance(image, dict) and any(
             image.get(key) is not None for key in ("bytes", "path", "image", "url")
         ):
+            resolved.append(image)
+        elif type(image).__module__.startswith("PIL."):  # a PIL image in a Python row
             resolved.append(image)
         else:
             raise fail(

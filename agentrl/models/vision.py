@@ -1,4 +1,4 @@
-"""Processor files for the tiny Qwen2-VL preset, and turning image references into PIL images.
+"""Processor files for the tiny Qwen2-VL preset, and a Qwen2-VL processor that needs no torchvision.
 
 The processor config is written as plain JSON with the standard Qwen2-VL keys (both the
 `min_pixels`/`max_pixels` spelling of transformers 4 and the `size` dict of transformers 5), so
@@ -8,15 +8,11 @@ small so an image becomes a handful of tokens on CPU.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from PIL import Image
-
     from agentrl.models.tiny import TinyPreset
 
 # CLIP normalisation, which Qwen2-VL uses.
@@ -57,37 +53,6 @@ def save_processor_files(folder: str | Path, preset: TinyPreset) -> None:
     (folder / "processor_config.json").write_text(
         json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=1)
     )
-
-
-def load_image(ref: Any) -> Image.Image:
-    """A PIL image from a PIL image, a local path, a `file://` URL or a `data:image/...;base64,` URL.
-
-    Uses qwen-vl-utils when it imports (it needs torchvision, missing on CPU-only machines), and
-    the same few lines of PIL otherwise; remote http(s) URLs need qwen-vl-utils.
-    """
-    from PIL import Image
-
-    if isinstance(ref, Image.Image):
-        return ref.convert("RGB")
-    if isinstance(ref, dict):
-        ref = ref.get("image") or ref.get("image_url") or ref.get("url")
-        if isinstance(ref, dict):
-            ref = ref.get("url")
-    if not isinstance(ref, str):
-        raise ValueError(f"unsupported image reference of type {type(ref).__name__}")
-    if ref.startswith("data:"):
-        _, _, payload = ref.partition(",")
-        return Image.open(io.BytesIO(base64.b64decode(payload))).convert("RGB")
-    if ref.startswith(("http://", "https://")):
-        try:
-            from qwen_vl_utils import fetch_image
-        except ImportError as exc:
-            raise ValueError(f"loading a remote image ({ref}) needs qwen-vl-utils: {exc}") from exc
-        return fetch_image({"image": ref}).convert("RGB")
-    path = ref.removeprefix("file://")
-    if not Path(path).exists():
-        raise FileNotFoundError(f"image file not found: {path}")
-    return Image.open(path).convert("RGB")
 
 
 def _image_only_processor_class():

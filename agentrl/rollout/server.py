@@ -5,8 +5,10 @@ routes POST /update_weights, /v1/load_lora_adapter, /sleep, /wake_up, GET /is_sl
 Responses carry `policy_version` (the weights version when the request started) and, with
 `return_token_ids: true`, the exact prompt and completion token ids in vLLM 0.32's fields.
 Bad requests get a 400 in OpenAI's error shape naming the field (`param`); a model name other than
-the served one (or its LoRA adapter) is a 404 naming `model`, as vLLM answers. Image, video and
-audio parts are refused: the engine takes token ids only. Admin routes need the bearer token the
+the served one (or its LoRA adapter) is a 404 naming `model`, as vLLM answers. A vision-language
+engine takes `image_url` parts (`engines/vision.py`: the prompt ids then hold every image pad, and the
+response's `prompt_images` holds the resized images, the reference training rebuilds pixels from);
+other media, and images to a text-only model, are refused with a 400. Admin routes need the bearer token the
 app was built with (`admin_auth.py`); without one they answer loopback clients only.
 """
 
@@ -38,6 +40,12 @@ from agentrl.rollout._sse import stream_chat, stream_completions
 from agentrl.rollout.admin_auth import AdminAuthError, build_admin_guard
 from agentrl.rollout.chat import parse_tool_calls, render_chat
 from agentrl.rollout.engines._weights import read_state_dict
+from agentrl.rollout.engines.vision import (
+    IMAGE_PART_TYPES,
+    ImageInputs,
+    build_image_prompt,
+    collect_image_refs,
+)
 from agentrl.types import SamplingParams
 
 __all__ = ["build_server_app", "RequestError"]
@@ -103,12 +111,14 @@ _MEDIA_PARTS = ("image_url", "image", "input_image", "video", "video_url", "inpu
 
 
 def _refuse_media(server: _Server, req: ChatCompletionRequest) -> None:
-    """The engine takes token ids only: an image would become placeholder tokens with no pixels behind them."""
-    if getattr(server.engine, "accepts_images", False):
-        return
+    """Refuse media the engine cannot see: an image to a text-only model would become placeholder tokens
+    with no pixels behind them; video and audio are never served."""
+    images_ok = getattr(server.engine, "accepts_images", False)
     for i, message in enumerate(req.messages):
         for j, part in enumerate(message.content if isinstance(message.content, list) else []):
             kind = part.get("type") or next((k for k in _MEDIA_PARTS if k in part), None)
+            if kind in IMAGE_PART_TYPES and images_ok:
+                continue
             if kind in _MEDIA_PARTS:
                 raise RequestError(
                     f"messages.{i}.content.{j}: a '{kind}' part was sent, but `{server.model_name}` is served "
@@ -117,8 +127,10 @@ def _refuse_media(server: _Server, req: ChatCompletionRequest) -> None:
                 )
 
 
-def _render_chat_request(server: _Server, req: ChatCompletionRequest) -> tuple[list[int], bool]:
-    """Prompt ids and whether tool calls should be parsed from the output."""
+def _render_chat_request(
+    server: _Server, req: ChatCompletionRequest
+) -> tuple[list[int], bool, ImageInputs | None]:
+    """Prompt ids (image pads expanded), whether tool calls should be parsed, and the prompt's pixels."""
     if req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice):
         shown = req.tool_choice if isinstance(req.tool_choice, str) else "a named function"
         raise RequestError(
@@ -133,21 +145,32 @@ def _render_chat_request(server: _Server, req: ChatCompletionRequest) -> tuple[l
         prompt_ids = render_chat(server.tokenizer, messages, tools=tools)
     except ValueError as error:
         raise RequestError(str(error), "messages") from error
+    images = None
+    refs = collect_image_refs(messages)
+    if refs:
+        image_token = int(server.engine.model.config.image_token_id)
+        try:
+            prompt_ids, images = build_image_prompt(
+                prompt_ids, refs, server.engine.image_processor, image_token
+            )
+        except (ValueError, OSError) as error:
+            field = next((f for f, _ in refs if str(error).startswith(f)), "messages")
+            raise RequestError(str(error), field) from error
     server.check_prompt(prompt_ids, "messages")
-    return prompt_ids, bool(tools) and req.tool_choice != "none"
+    return prompt_ids, bool(tools) and req.tool_choice != "none", images
 
 
 async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
     server.check_request(req)
-    prompt_ids, parse_tools = _render_chat_request(server, req)
+    prompt_ids, parse_tools, images = _render_chat_request(server, req)
     params = req.to_sampling_params(server.max_tokens(req.requested_max_tokens(), len(prompt_ids)))
     top = (req.top_logprobs or 0) if req.logprobs else 0
     version = server.engine.policy_version
     if req.stream:
-        events = _start(server.engine.stream, prompt_ids, params, top)
+        events = _start(server.engine.stream, prompt_ids, params, top, images)
         body = stream_chat(server, req, prompt_ids, events, parse_tools, version)
         return StreamingResponse(body, media_type="text/event-stream")
-    outputs = await _run(server.engine.generate, prompt_ids, params, top)
+    outputs = await _run(server.engine.generate, prompt_ids, params, top, images)
     choices = []
     for i, out in enumerate(outputs):
         message: dict[str, Any] = {"role": "assistant", "content": out.text}
@@ -178,6 +201,8 @@ async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
     }
     if req.return_token_ids:
         response["prompt_token_ids"] = prompt_ids
+        if images is not None:
+            response["prompt_images"] = images.images
     return response
 
 
@@ -247,15 +272,23 @@ async def _completions(server: _Server, req: CompletionRequest) -> Any:
     }
 
 
-def _start(stream_fn: Any, prompt_ids: list[int], params: SamplingParams, top: int) -> Any:
+def _start(
+    stream_fn: Any, prompt_ids: list[int], params: SamplingParams, top: int, images: Any = None
+) -> Any:
     try:
+        if images is not None:
+            return stream_fn(prompt_ids, params, top_logprobs=top, images=images)
         return stream_fn(prompt_ids, params, top_logprobs=top)
     except ValueError as error:
         raise RequestError(str(error), "prompt") from error
 
 
-async def _run(generate_fn: Any, prompt_ids: list[int], params: SamplingParams, top: int) -> Any:
+async def _run(
+    generate_fn: Any, prompt_ids: list[int], params: SamplingParams, top: int, images: Any = None
+) -> Any:
     try:
+        if images is not None:
+            return await generate_fn(prompt_ids, params, top_logprobs=top, images=images)
         return await generate_fn(prompt_ids, params, top_logprobs=top)
     except ValueError as error:
         raise RequestError(str(error), "prompt") from error

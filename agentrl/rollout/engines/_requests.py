@@ -45,6 +45,8 @@ class Request:
     stream: bool = False
     """Deliver tokens after every step (else only finished completions)."""
     cancelled: bool = False
+    images: Any = None
+    """`vision.ImageInputs` behind the prompt's image pads, or None for a text prompt."""
 
 
 @dataclass

@@ -41,6 +41,14 @@ from agentrl.rollout.engines._sampling import RowSampling, select_tokens
 from agentrl.rollout.engines._slot_batch import SlotBatch
 from agentrl.rollout.engines._slot_decode import slot_decode_unsupported
 from agentrl.rollout.engines._weights import LoraMerger, fingerprint_state_dict, load_weights_in_place
+from agentrl.rollout.engines.vision import (
+    ImageBatch,
+    ImageInputs,
+    check_image_prompt,
+    is_vision_language,
+    load_image_processor,
+    placeholder_token_ids,
+)
 from agentrl.types import GenerationOutput, SamplingParams
 
 __all__ = ["EmbeddedEngine", "StreamEvent", "build_embedded_engine", "fingerprint_state_dict"]
@@ -70,10 +78,16 @@ class EmbeddedEngine:
         *,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
+        image_processor: Any = None,
         cuda_graphs: bool = True,
     ) -> None:
-        """`cuda_graphs=False` decodes eagerly (verl's `enforce_eager`); it only matters on CUDA."""
+        """`image_processor`: a vision-language model's (loaded from the model's folder when None).
+        `cuda_graphs=False` decodes eagerly (verl's `enforce_eager`); it only matters on CUDA."""
         self.model = model.eval()
+        self.image_processor = image_processor
+        if image_processor is None and is_vision_language(model):
+            self.image_processor = load_image_processor(model)
+        self._placeholder_ids = placeholder_token_ids(model)
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
@@ -97,6 +111,8 @@ class EmbeddedEngine:
         self._thread.start()
 
     def _build_batch(self, cuda_graphs: bool) -> SlotBatch | DynamicBatch:
+        if self.image_processor is not None:
+            return ImageBatch(self.model)
         reason = slot_decode_unsupported(self.model)
         if reason is not None:
             logger.info("embedded engine: DynamicCache decoding (%s)", reason)
@@ -106,24 +122,43 @@ class EmbeddedEngine:
         )
 
     # ----- generation -------------------------------------------------------------------------
+    @property
+    def accepts_images(self) -> bool:
+        """Whether prompts may carry images (a vision-language model with its image processor)."""
+        return self.image_processor is not None
+
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, *, top_logprobs: int = 0
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        top_logprobs: int = 0,
+        images: ImageInputs | None = None,
     ) -> list[GenerationOutput]:
-        """`params.n` completions of `prompt_ids` (token ids, raw logprobs, text, finish reason)."""
+        """`params.n` completions of `prompt_ids` (token ids, raw logprobs, text, finish reason).
+
+        `images`: the pixels behind the prompt's image pads (`vision.build_image_prompt`).
+        """
         outputs: list[GenerationOutput | None] = [None] * params.n
-        async for event in self._drain(self._submit(prompt_ids, params, top_logprobs, stream=False)):
+        request = self._submit(prompt_ids, params, top_logprobs, stream=False, images=images)
+        async for event in self._drain(request):
             outputs[event.index] = event.output
         return outputs  # type: ignore[return-value]
 
     def stream(
-        self, prompt_ids: list[int], params: SamplingParams, *, top_logprobs: int = 0
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        top_logprobs: int = 0,
+        images: ImageInputs | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """Like `generate`, but yields each completion's new tokens after every decode step.
 
         Validates and enqueues at once (ValueError before any event), so a server can answer 400
         before it starts streaming. Call it from inside the running event loop.
         """
-        return self._drain(self._submit(prompt_ids, params, top_logprobs, stream=True))
+        return self._drain(self._submit(prompt_ids, params, top_logprobs, stream=True, images=images))
 
     async def _drain(self, request: Request) -> AsyncIterator[StreamEvent]:
         remaining = request.params.n
@@ -140,7 +175,12 @@ class EmbeddedEngine:
                 request.cancelled = True
 
     def _submit(
-        self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int, stream: bool
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        top_logprobs: int,
+        stream: bool,
+        images: ImageInputs | None = None,
     ) -> Request:
         """Validate (ValueError names the problem; the server turns it into a 400) and enqueue."""
         if not prompt_ids:
@@ -157,6 +197,11 @@ class EmbeddedEngine:
             raise ValueError(f"n={params.n} is above the engine's max_num_seqs={self.max_num_seqs}")
         if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs={top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
+        if images is not None:
+            if not self.accepts_images:
+                raise ValueError("images were sent, but this engine serves a text-only model")
+            image_token = int(self.model.config.image_token_id)
+            check_image_prompt(prompt_ids, images, image_token, int(self.image_processor.merge_size))
         max_new = min(params.max_tokens, self.max_model_len - len(prompt_ids))
         request = Request(
             prompt_ids=[int(t) for t in prompt_ids],
@@ -166,6 +211,7 @@ class EmbeddedEngine:
             loop=asyncio.get_running_loop(),
             queue=asyncio.Queue(),
             stream=stream,
+            images=images,
         )
         with self._cond:
             if self._closed:
@@ -214,10 +260,12 @@ class EmbeddedEngine:
             self._append(self._rows, logits)
         if admitted:
             try:
+                images = [request.images for request, _ in admitted]
                 logits = self._batch.admit(
                     [request.prompt_ids for request, _ in admitted],
                     [len(seqs) for _, seqs in admitted],
                     reserve=max(len(r.prompt_ids) + r.max_new_tokens for r, _ in admitted),
+                    **({"images": images} if any(x is not None for x in images) else {}),
                 )
             except Exception as error:  # not running yet: _fail_running would not reach them
                 for request, _ in admitted:
@@ -238,7 +286,7 @@ class EmbeddedEngine:
                 seed=s.seed,
                 position=len(s.token_ids),
                 top_logprobs=s.request.top_logprobs,
-                blocked_token_ids=self._blocked_below_min_tokens(s),
+                blocked_token_ids=self._blocked_below_min_tokens(s) + self._placeholder_ids,
             )
             for s in rows
         ]

@@ -6,8 +6,8 @@ import pytest
 import torch
 from PIL import Image
 
+from agentrl.data.images import load_image
 from agentrl.models import load_causal_lm, load_processor, load_tokenizer
-from agentrl.models.vision import load_image
 
 
 def make_image(width=100, height=80):
