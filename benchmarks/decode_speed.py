@@ -84,7 +84,9 @@ def engine_throughput(model, tokenizer, args, cuda_graphs: bool) -> dict[str, fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="tiny:qwen2.5-0.5b-shape")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -101,15 +103,23 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     length = args.prompt_len + args.steps + 3
     paths = {
-        "slot+graphs": lambda: SlotBatch(model, max_slots=max(args.batches), max_model_len=4096, cuda_graphs=True),
-        "slot-eager": lambda: SlotBatch(model, max_slots=max(args.batches), max_model_len=4096, cuda_graphs=False),
+        "slot+graphs": lambda: SlotBatch(
+            model, max_slots=max(args.batches), max_model_len=4096, cuda_graphs=True
+        ),
+        "slot-eager": lambda: SlotBatch(
+            model, max_slots=max(args.batches), max_model_len=4096, cuda_graphs=False
+        ),
     }
     if device.type != "cuda":
         paths.pop("slot+graphs")
     if not args.skip_dynamic:
         paths["dynamic"] = lambda: DynamicBatch(model)
     print(f"model {args.model} {args.dtype} on {device}; prompt {args.prompt_len} tokens; ms per decode step")
-    print(f"{'batch':>6} " + " ".join(f"{name:>12}" for name in paths) + f" {'roofline':>9} {'graphs/dynamic':>15}")
+    print(
+        f"{'batch':>6} "
+        + " ".join(f"{name:>12}" for name in paths)
+        + f" {'roofline':>9} {'graphs/dynamic':>15}"
+    )
     results = []
     for rows in args.batches:
         prompts = [[(31 * r + i) % 1000 + 10 for i in range(args.prompt_len)] for r in range(rows)]
@@ -117,7 +127,11 @@ def main() -> None:
         row["roofline"] = roofline_ms(model, rows, length, args.bandwidth)
         best = row.get("slot+graphs", row["slot-eager"])
         ratio = f"{row['dynamic'] / best:.1f}x" if "dynamic" in row else "-"
-        print(f"{rows:>6} " + " ".join(f"{row[n]:>12.2f}" for n in paths) + f" {row['roofline']:>9.2f} {ratio:>15}")
+        print(
+            f"{rows:>6} "
+            + " ".join(f"{row[n]:>12.2f}" for n in paths)
+            + f" {row['roofline']:>9.2f} {ratio:>15}"
+        )
         results.append({"batch": rows, **{k: round(v, 3) for k, v in row.items()}})
     engine = {"graphs": engine_throughput(model, tokenizer, args, cuda_graphs=True)}
     if device.type == "cuda":

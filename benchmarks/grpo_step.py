@@ -1,0 +1,243 @@
+"""One GRPO workload, agentrl against TRL's GRPOTrainer, alternating A/B in one invocation.
+
+Both train the same model folder on the same prompts: `--prompts` prompts per step x `--n` answers of exactly
+`--max-tokens` tokens (EOS masked: agentrl's `actor_rollout_ref.rollout.ignore_eos`, TRL's
+`generation_kwargs={"min_new_tokens": ...}`), temperature 1, one optimizer step per step, no KL term, gradient
+checkpointing on (TRL's default), the model's dtype for weights and compute. The reward is a deterministic
+function of the answer's text, so groups have non-zero advantages and both really update.
+
+Each A/B round runs each trainer in its own subprocess (so peak memory is its own) for `--steps` steps; the
+first step of every run is warm-up and left out. Reported per trainer: median step time, its generation and
+training parts, generated tokens/s, peak memory, and the ratio TRL / agentrl (above 1: agentrl is faster).
+
+    python benchmarks/grpo_step.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16 --device cuda   # GPU
+    python benchmarks/grpo_step.py --model tiny:qwen2 --dtype float32 --device cpu \\
+        --prompts 8 --n 8 --max-tokens 16 --steps 4 --rounds 1                                     # CPU
+TRL must be importable (it is packed for the device machine: ../shared/device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+QUESTIONS = [f"What is {a} plus {b}? Think step by step." for a in range(3, 40, 3) for b in range(2, 9, 3)]
+
+
+def text_reward(text: str) -> float:
+    """Varies between answers (and is cheap), so GRPO advantages are not all zero."""
+    return (sum(map(ord, text)) % 97) / 97.0
+
+
+def _prompts(count: int) -> list[str]:
+    return [QUESTIONS[i % len(QUESTIONS)] for i in range(count)]
+
+
+def _peak_gib(device: str) -> float:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+
+
+def run_agentrl(args: argparse.Namespace) -> dict:
+    from agentrl import AgentTrainer, EvalOutput, SingleTurnChatFlow, evaluator
+
+    @evaluator
+    def score(task, episode):
+        return EvalOutput(reward=text_reward(episode.answer or ""))
+
+    rows = [
+        {
+            "data_source": "bench",
+            "prompt": [{"role": "user", "content": q}],
+            "reward_model": {"ground_truth": ""},
+        }
+        for q in _prompts(args.prompts * args.steps)
+    ]
+    with tempfile.TemporaryDirectory() as run_dir:
+        overrides = [
+            f"actor_rollout_ref.model.path={args.model}",
+            f"actor_rollout_ref.model.dtype={args.dtype}",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+            f"trainer.device={args.device}",
+            f"data.train_batch_size={args.prompts}",
+            f"actor_rollout_ref.rollout.n={args.n}",
+            f"data.max_response_length={args.max_tokens}",
+            "actor_rollout_ref.rollout.ignore_eos=true",
+            f"actor_rollout_ref.rollout.max_num_seqs={args.prompts * args.n}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
+            "actor_rollout_ref.actor.optim.lr=1e-6",
+            "data.shuffle=false",
+            "sft.enable=false",
+            f"trainer.total_training_steps={args.steps}",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+            "trainer.logger=[console]",
+            f"trainer.default_local_dir={run_dir}",
+        ]
+        AgentTrainer(flow=SingleTurnChatFlow(), evaluator=score, train_dataset=rows, config=overrides).train()
+        history = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in history if "timing/step" in r][1:]
+    tokens = [r["response_length/mean"] * r["batch/rows"] for r in steps]
+    return {
+        "step_s": [r["timing/step"] for r in steps],
+        "gen_s": [r["timing/gen"] for r in steps],
+        "tokens": tokens,
+        "peak_gib": max(r.get("perf/max_memory_allocated_gb", 0.0) for r in history)
+        or _peak_gib(args.device),
+    }
+
+
+def run_trl(args: argparse.Namespace) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from agentrl.models import load_tokenizer, resolve_model_path
+
+    path = resolve_model_path(args.model)
+    tokenizer = load_tokenizer(args.model)
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": q}]} for q in _prompts(args.prompts * args.steps)]
+    )
+    step_s: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *_a, **_k):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *_a, **_k):
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            step_s.append(time.perf_counter() - self.start)
+
+    def reward(completions, **_kwargs):
+        return [text_reward(c[0]["content"] if isinstance(c, list) else c) for c in completions]
+
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=args.prompts * args.n,
+            num_generations=args.n,
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+            num_iterations=1,
+            max_completion_length=args.max_tokens,
+            generation_kwargs={"min_new_tokens": args.max_tokens},
+            temperature=1.0,
+            learning_rate=1e-6,
+            beta=0.0,
+            max_steps=args.steps,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            bf16=args.dtype == "bfloat16",
+            use_cpu=args.device == "cpu",
+            gradient_checkpointing=True,
+            model_init_kwargs={"dtype": args.dtype},
+            shuffle_dataset=False,
+            seed=1,
+        )
+        trainer = GRPOTrainer(
+            model=str(path),
+            reward_funcs=reward,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+        gen_s: list[float] = []
+        generate = trainer._generate
+
+        def timed_generate(*a, **k):
+            start = time.perf_counter()
+            result = generate(*a, **k)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            gen_s.append(time.perf_counter() - start)
+            return result
+
+        trainer._generate = timed_generate
+        trainer.add_callback(StepTimer())
+        trainer.train()
+        lengths = [
+            r["completions/mean_length"] for r in trainer.state.log_history if "completions/mean_length" in r
+        ]
+    rows = args.prompts * args.n
+    return {
+        "step_s": step_s[1:],
+        "gen_s": gen_s[1:],
+        "tokens": [length * rows for length in lengths][1:],
+        "peak_gib": _peak_gib(args.device),
+    }
+
+
+def summarise(runs: list[dict]) -> dict:
+    step = [s for r in runs for s in r["step_s"]]
+    gen = [s for r in runs for s in r["gen_s"]]
+    tokens = [t for r in runs for t in r["tokens"]]
+    median_gen = statistics.median(gen)
+    return {
+        "step_s": round(statistics.median(step), 3),
+        "gen_s": round(median_gen, 3),
+        "train_s": round(statistics.median(step) - median_gen, 3),
+        "gen_tokens_per_s": round(statistics.median(tokens) / median_gen, 1),
+        "peak_gib": round(max(r["peak_gib"] for r in runs), 2),
+        "steps_measured": len(step),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="tiny:qwen2.5-0.5b-shape")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=16, help="agentrl rows per forward/backward")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--only", choices=["agentrl", "trl"], help="internal: run one trainer, print JSON")
+    args = parser.parse_args()
+    if args.only:
+        result = run_agentrl(args) if args.only == "agentrl" else run_trl(args)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    runs: dict[str, list[dict]] = {"agentrl": [], "trl": []}
+    for round_index in range(args.rounds):
+        for name in ("agentrl", "trl") if round_index % 2 == 0 else ("trl", "agentrl"):
+            command = [sys.executable, __file__, *sys.argv[1:], "--only", name]
+            done = subprocess.run(command, capture_output=True, text=True)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode != 0 or not lines:
+                sys.exit(f"{name} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+            runs[name].append(json.loads(lines[-1][len("RESULT ") :]))
+            print(f"round {round_index + 1}: {name} steps {[round(s, 2) for s in runs[name][-1]['step_s']]}")
+    table = {name: summarise(r) for name, r in runs.items()}
+    print(
+        f"{args.model} {args.dtype} on {args.device}: {args.prompts} prompts x {args.n} answers x {args.max_tokens}"
+    )
+    print(f"{'':10} {'step s':>8} {'gen s':>8} {'train s':>8} {'gen tok/s':>10} {'peak GiB':>9}")
+    for name, row in table.items():
+        print(
+            f"{name:10} {row['step_s']:>8.2f} {row['gen_s']:>8.2f} {row['train_s']:>8.2f} "
+            f"{row['gen_tokens_per_s']:>10.0f} {row['peak_gib']:>9.1f}"
+        )
+    ratio = {k: round(table["trl"][k] / table["agentrl"][k], 2) for k in ("step_s", "gen_s", "train_s")}
+    print(f"TRL / agentrl time (above 1: agentrl faster): {ratio}")
+    print(json.dumps({"table": table, "ratio_trl_over_agentrl": ratio}))
+
+
+if __name__ == "__main__":
+    main()
