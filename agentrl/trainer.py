@@ -122,10 +122,10 @@ def unsupported_settings(config: AgentRLConfig) -> list[str]:
     """Valid settings this version cannot honour: refused up front, never silently ignored."""
     arr = config.actor_rollout_ref
     problems = []
-    if config.data.return_multi_modal_inputs:
+    if config.data.return_multi_modal_inputs and config.algorithm.adv_estimator == "gae":
         problems.append(
-            "data.return_multi_modal_inputs=true: vision-language training is not available in this "
-            "version (the tiny:qwen2-vl preset and its processor are); leave it false"
+            "data.return_multi_modal_inputs=true with algorithm.adv_estimator=gae: the critic reads no pixels; "
+            "use grpo, rloo, reinforce or reinforce_plus_plus for vision-language policies"
         )
     if not arr.hybrid_engine:
         problems.append(

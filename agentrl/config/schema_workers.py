@@ -28,6 +28,8 @@ class ModelConfig(_Section):
     """LoRA scaling alpha."""
     target_modules: str | list[str] = "all-linear"
     """Modules LoRA adapts: `all-linear` or a list of module names."""
+    freeze_vision_tower: bool | None = None
+    """Vision-language policies: keep the vision tower's weights fixed. null: frozen with LoRA, trained without."""
     enable_gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     use_remove_padding: bool = True

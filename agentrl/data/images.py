@@ -18,6 +18,7 @@ engine and training alike, so the pixels training sees are the ones the engine s
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import io
 import math
@@ -146,6 +147,14 @@ def encode_data_url(image: Image.Image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@functools.cache
+def load_image_processor(model_path: str) -> Any:
+    """The image processor saved beside a vision-language model (HF id, folder or `tiny:` preset)."""
+    from agentrl.models import load_processor
+
+    return load_processor(model_path).image_processor
 
 
 _PIXEL_CACHE: OrderedDict[tuple[int, str], dict[str, Any]] = OrderedDict()

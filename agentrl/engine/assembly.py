@@ -4,12 +4,17 @@ Token in, token out: a row is made of exactly the token ids the engine saw and p
 of a trajectory whose prompt extends the previous prompt plus completion merge into one row, with loss mask
 1 on model tokens and 0 on everything else (observations, tool results, the template). A step that does not
 extend starts a new row. Rows carry the rollout engine's logprobs so the trainer can compare policies.
+
+Rows of a vision-language policy carry the pixels behind their image pads (`multi_modal_inputs`), rebuilt
+from the resized images the engine saw (`Step.images`, see `agentrl.data.images.build_pixel_inputs`); a
+merged row holds the images of its last step, whose prompt extends (and so holds) all earlier ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +38,10 @@ class TrainingRow:
     num_steps_in_trajectory: int = 1
     """Trainable steps of the row's trajectory (excluded ones not counted)."""
     episode_index: int = 0
+    images: list[str] = field(default_factory=list)
+    """The resized images behind the row's image pads (PNG data URLs, in order); empty for text rows."""
+    multi_modal_inputs: dict[str, torch.Tensor] | None = None
+    """`pixel_values` and `image_grid_thw` of `images` (set by `rows_to_batch`); None for text rows."""
 
 
 @dataclass
@@ -69,6 +78,9 @@ class TrainBatch:
     """(B,) long: trainable steps in the row's trajectory (not rows: merged steps count one each)."""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     """Filled by the loop: old_log_probs, ref_log_probs, values, advantages, returns."""
+    multi_modal_inputs: list[dict[str, torch.Tensor] | None] | None = None
+    """Per row: `pixel_values` (patches, C*T*P*P) and `image_grid_thw` (images, 3) long, or None for a
+    text row; None for a text-only batch."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -88,9 +100,11 @@ class TrainBatch:
         def cut(t: torch.Tensor) -> torch.Tensor:
             return t[index][:, :length] if t.dim() == 2 else t[index]
 
+        images = self.multi_modal_inputs
         return TrainBatch(
             **{name: cut(getattr(self, name)) for name in _FIELDS},
             tensors={k: cut(v) for k, v in self.tensors.items()},
+            multi_modal_inputs=None if images is None else [images[i] for i in index.tolist()],
         )
 
 
@@ -139,6 +153,7 @@ def episodes_to_rows(
                     current.input_ids += observation + step.response_ids
                     current.loss_mask += [0] * len(observation) + [1] * len(step.response_ids)
                     current.rollout_logprobs += [0.0] * len(observation) + list(step.logprobs)
+                    current.images = list(step.images)
                     stats.merged_steps += 1
                     continue
                 current = TrainingRow(
@@ -151,6 +166,7 @@ def episodes_to_rows(
                     step_index=s_index,
                     num_steps_in_trajectory=len(steps),
                     episode_index=e_index,
+                    images=list(step.images),
                 )
                 step.info["row"] = len(rows)
                 rows.append(current)
@@ -184,10 +200,23 @@ def _step_reward(step_reward: float, outcome: float, index: int, num_steps: int)
     return step_reward + (outcome if index == num_steps - 1 else 0.0)
 
 
-def rows_to_batch(rows: Sequence[TrainingRow], pad_token_id: int) -> TrainBatch:
-    """Right-padded (B, L) tensors; group and trajectory keys become dense integer ids."""
+def rows_to_batch(rows: Sequence[TrainingRow], pad_token_id: int, image_processor: Any = None) -> TrainBatch:
+    """Right-padded (B, L) tensors; group and trajectory keys become dense integer ids.
+
+    Rows with images get their pixel inputs from `image_processor` (the policy's, needed then).
+    """
     if not rows:
         raise ValueError("no training rows: every episode was filtered out or failed")
+    if any(r.images for r in rows):
+        if image_processor is None:
+            raise ValueError(
+                "rollouts hold images but no image processor was given: set data.return_multi_modal_inputs=true "
+                "with a vision-language actor_rollout_ref.model.path"
+            )
+        from agentrl.data.images import build_pixel_inputs
+
+        for row in rows:
+            row.multi_modal_inputs = build_pixel_inputs(image_processor, row.images) if row.images else None
     length = max(len(r.input_ids) for r in rows)
     batch_size = len(rows)
     input_ids = torch.full((batch_size, length), pad_token_id, dtype=torch.long)
@@ -215,6 +244,7 @@ def rows_to_batch(rows: Sequence[TrainingRow], pad_token_id: int) -> TrainBatch:
         trajectory_ids=_dense_ids([r.trajectory_key for r in rows]),
         step_index=torch.tensor([r.step_index for r in rows], dtype=torch.long),
         num_steps=torch.tensor([r.num_steps_in_trajectory for r in rows], dtype=torch.long),
+        multi_modal_inputs=[r.multi_modal_inputs for r in rows] if any(r.images for r in rows) else None,
     )
 
 

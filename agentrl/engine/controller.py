@@ -31,6 +31,7 @@ from agentrl.checkpoint import (
     save_checkpoint,
 )
 from agentrl.data import RLDataLoader
+from agentrl.data.images import load_image_processor
 from agentrl.engine.assembly import TrainBatch, episodes_to_rows, rows_to_batch, write_step_advantages
 from agentrl.engine.batch_advantages import compute_batch_advantages
 from agentrl.engine.critic_worker import CriticWorker
@@ -404,7 +405,9 @@ class Controller:
                 self.global_step + 1,
             )
             return None
-        return rows_to_batch(rows, pad_token_id=self.stack.pad_token_id)
+        vision = self.config.data.return_multi_modal_inputs
+        processor = load_image_processor(self.config.actor_rollout_ref.model.path) if vision else None
+        return rows_to_batch(rows, pad_token_id=self.stack.pad_token_id, image_processor=processor)
 
     def validate(self) -> dict[str, float]:
         val = self.config.actor_rollout_ref.rollout.val_kwargs

@@ -40,7 +40,8 @@ def concat_batches(parts: Sequence[TrainBatch]) -> TrainBatch:
 
     fields = {name: cat([getattr(p, name) for p in parts]) for name in BATCH_FIELDS}
     tensors = {key: cat([p.tensors[key] for p in parts]) for key in parts[0].tensors}
-    return TrainBatch(**fields, tensors=tensors)
+    images = [x for p in parts for x in (p.multi_modal_inputs or [None] * len(p))]
+    return TrainBatch(**fields, tensors=tensors, multi_modal_inputs=images if any(images) else None)
 
 
 def rank_rows(batch: TrainBatch, ranks: int, balance_tokens: bool) -> list[torch.Tensor]:

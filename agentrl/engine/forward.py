@@ -26,10 +26,28 @@ def compute_log_probs(
     device = compute_device(model)
     input_ids = batch.input_ids.to(device)
     attention = batch.attention_mask.to(device)
-    logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits[:, :-1].float()
+    images = _image_inputs(model, batch, input_ids)
+    logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False, **images).logits[:, :-1]
+    logits = logits.float()
     log_probs = _shift_right(compute_token_log_probs(logits, input_ids[:, 1:]))
     entropy = _shift_right(compute_entropy_from_logits(logits)) if with_entropy else None
     return log_probs, entropy
+
+
+def _image_inputs(
+    model: torch.nn.Module, batch: TrainBatch, input_ids: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Pixels of the batch's image rows (in row order) and which tokens are image pads; the model computes
+    its multimodal rotary positions from them (`get_rope_index`), as the engine's prefill did."""
+    rows = [x for x in batch.multi_modal_inputs or [] if x is not None]
+    if not rows:
+        return {}
+    device = input_ids.device
+    return {
+        "pixel_values": torch.cat([x["pixel_values"] for x in rows]).to(device),
+        "image_grid_thw": torch.cat([x["image_grid_thw"] for x in rows]).to(device),
+        "mm_token_type_ids": (input_ids == model.config.image_token_id).int(),
+    }
 
 
 def compute_values(critic: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:

@@ -12,10 +12,20 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+# `all-linear` on a vision-language model: the language model's linear layers only (not the vision tower).
+_LANGUAGE_MODEL_LINEAR = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
 
 def apply_lora(model: torch.nn.Module, *, rank: int, alpha: int, target_modules: str | list[str]):
-    """A peft model with fresh adapters of `rank` on `target_modules` ('all-linear' or module names)."""
+    """A peft model with fresh adapters of `rank` on `target_modules` ('all-linear' or module names).
+
+    For a vision-language model `all-linear` means the language model's linear layers: the vision tower
+    keeps its weights (and is frozen, as every non-adapter weight is under LoRA).
+    """
     from peft import LoraConfig, get_peft_model
+
+    if target_modules == "all-linear" and getattr(model.config, "vision_config", None) is not None:
+        target_modules = _LANGUAGE_MODEL_LINEAR
 
     config = LoraConfig(
         r=rank,

@@ -30,6 +30,7 @@ from agentrl.engine.model_state import load_model, save_full_weights, save_model
 from agentrl.engine.optim import build_lr_scheduler, build_optimizer
 from agentrl.engine.ppo_update import run_ppo_updates
 from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
+from agentrl.models.vision import apply_vision_tower_setting
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,6 +83,8 @@ class PolicyWorker:
         model = load_causal_lm(
             self.model_path, dtype="float32" if mixed else arr.model.dtype, device=load_device
         )
+        if trainable:
+            apply_vision_tower_setting(model, arr.model)
         if trainable and arr.model.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False

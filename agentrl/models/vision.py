@@ -91,3 +91,19 @@ def build_image_only_processor(folder: str | Path):
     image_processor = AutoImageProcessor.from_pretrained(folder)
     processor_cls = _image_only_processor_class()
     return processor_cls(image_processor, tokenizer, chat_template=tokenizer.chat_template)
+
+
+def is_vision_language_model(model: Any) -> bool:
+    return getattr(getattr(model, "config", None), "vision_config", None) is not None
+
+
+def apply_vision_tower_setting(model: Any, model_config: Any) -> None:
+    """Freeze a vision-language policy's vision tower when `actor_rollout_ref.model.freeze_vision_tower`
+    says so (null: frozen with LoRA, trained in full fine-tuning); text models are left alone."""
+    if not is_vision_language_model(model):
+        return
+    freeze = model_config.freeze_vision_tower
+    if freeze is None:
+        freeze = model_config.lora_rank > 0
+    if freeze:
+        model.model.visual.requires_grad_(False)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from agentrl.data.images import load_image_processor
 from agentrl.rollout.engines._batch import DynamicBatch
 from agentrl.rollout.engines._requests import Detokenizer, Request, Sequence, StreamEvent, build_sequences
 from agentrl.rollout.engines._sampling import RowSampling, select_tokens
@@ -46,7 +47,6 @@ from agentrl.rollout.engines.vision import (
     ImageInputs,
     check_image_prompt,
     is_vision_language,
-    load_image_processor,
     placeholder_token_ids,
 )
 from agentrl.types import GenerationOutput, SamplingParams
@@ -86,7 +86,7 @@ class EmbeddedEngine:
         self.model = model.eval()
         self.image_processor = image_processor
         if image_processor is None and is_vision_language(model):
-            self.image_processor = load_image_processor(model)
+            self.image_processor = load_image_processor(model.name_or_path)
         self._placeholder_ids = placeholder_token_ids(model)
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs

@@ -152,13 +152,6 @@ def prefill_with_images(
     return batch, out.logits[:, -1, :]
 
 
-def load_image_processor(model: torch.nn.Module) -> Any:
-    """The image processor saved beside a vision-language model (`model.name_or_path`)."""
-    from transformers import AutoImageProcessor
-
-    return AutoImageProcessor.from_pretrained(model.name_or_path)
-
-
 class ImageBatch(DynamicBatch):
     """`DynamicBatch` whose `admit` also takes each prompt's `ImageInputs` (None for a text prompt)."""
 
