@@ -41,6 +41,7 @@ def test_flow_and_evaluator_types_are_checked():
 def test_settings_this_version_cannot_honour_are_refused_together(tmp_path):
     overrides = [
         "data.return_multi_modal_inputs=true",
+        "algorithm.adv_estimator=gae",
         "actor_rollout_ref.actor.fsdp_config.param_offload=true",
         "actor_rollout_ref.hybrid_engine=false",
         f"trainer.default_local_dir={tmp_path}",
@@ -50,7 +51,7 @@ def test_settings_this_version_cannot_honour_are_refused_together(tmp_path):
             flow=SingleTurnChatFlow(), evaluator=MathAnswerMatch(), train_dataset=[ROW], config=overrides
         )
     message = str(caught.value)
-    assert "data.return_multi_modal_inputs=true" in message
+    assert "data.return_multi_modal_inputs=true with algorithm.adv_estimator=gae" in message
     assert "actor_rollout_ref.actor.fsdp_config.param_offload=true" in message
     assert "actor_rollout_ref.hybrid_engine=false" in message
     assert not any(tmp_path.iterdir())

@@ -73,6 +73,48 @@ def test_serve_embedded_two_servers(tmp_path: Path) -> None:
         httpx.get(f"{base}/health", timeout=2)
 
 
+def test_serve_vision_language_answers_an_openai_client_with_a_png(tmp_path: Path) -> None:
+    """An official `openai` client sends a base64 PNG `image_url` part; the trace holds every image pad."""
+    import openai
+    from PIL import Image, ImageDraw
+
+    from agentrl.data.images import encode_data_url
+    from agentrl.models import load_causal_lm
+
+    image = Image.new("RGB", (100, 60), "white")
+    ImageDraw.Draw(image).ellipse((10, 10, 40, 40), fill="red")
+    proc, base, _ = _start_serve(["--model", "tiny:qwen2-vl", "--max-tokens", "5"], 120)
+    try:
+        client = openai.OpenAI(base_url=f"{base}/sessions/vl/v1", api_key="none")
+        content = [
+            {"type": "image_url", "image_url": {"url": encode_data_url(image)}},
+            {"type": "text", "text": "How many shapes?"},
+        ]
+        reply = client.chat.completions.create(
+            model="tiny:qwen2-vl", messages=[{"role": "user", "content": content}]
+        )
+        assert reply.choices[0].message.role == "assistant"
+        [trace] = httpx.get(f"{base}/sessions/vl/traces").json()
+        image_pad = load_causal_lm("tiny:qwen2-vl").config.image_token_id
+        # 100x60 -> 112x56 pixels -> a 4x8 patch grid -> 8 tokens after the 2x2 merge.
+        assert trace["prompt_ids"].count(image_pad) == 8
+        assert len(trace["images"]) == 1 and trace["images"][0].startswith("data:image/png;base64,")
+        assert len(trace["logprobs"]) == len(trace["completion_ids"]) >= 1
+        with pytest.raises(openai.BadRequestError, match="remote image URL"):
+            client.chat.completions.create(
+                model="tiny:qwen2-vl",
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}],
+                    }
+                ],
+            )
+    finally:
+        out = _interrupt(proc)
+    assert proc.returncode == 0, out
+
+
 def test_serve_off_loopback_guards_traces_with_a_printed_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AGENTRL_ADMIN_TOKEN", raising=False)
     proc, base, lines = _start_serve(
