@@ -4,7 +4,9 @@ A tiny model starts RL with zero reward on most tasks, and GRPO learns nothing f
 A short SFT pass on the training rows' reference responses (`extra_info.response`, else the ground truth)
 gives it a non-zero start. Prompts are rendered exactly as the gateway renders them (`render_chat`, the
 model's chat template), including a row's `tools` schema: a model warm-started on tool calls then sees
-the same tool preamble at RL time, when the flow passes `tools=`. A progress bar counts the steps.
+the same tool preamble at RL time, when the flow passes `tools=`. Rows with images (verl's `images` beside
+`<image>`, or image parts) train a vision-language policy on the same pixels and image pads the engine
+would serve (`agentrl.rollout.engines.vision`). A progress bar counts the steps.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from typing import Any
 
 import torch
 
+from agentrl.data.images import build_image_messages, has_image_parts, load_image_processor
 from agentrl.engine.optim import build_optimizer
 from agentrl.rollout.chat import render_chat
+from agentrl.rollout.engines.vision import build_image_prompt, collect_image_refs
 from agentrl.tracking import progress_bar
 
 
@@ -29,16 +33,24 @@ def reference_response(row: dict[str, Any]) -> str:
 
 
 def build_sft_examples(
-    tokenizer: Any, rows: Sequence[dict[str, Any]], prompt_key: str = "prompt"
-) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, loss_mask) per row: the chat prompt (with the row's `tools`, if any), then the
-    response and the end-of-turn token."""
+    tokenizer: Any, rows: Sequence[dict[str, Any]], prompt_key: str = "prompt", image_model: Any = None
+) -> list[tuple[list[int], list[int], Any]]:
+    """(input_ids, loss_mask, image inputs or None) per row: the chat prompt (with the row's `tools`, if
+    any), then the response and the end-of-turn token. `image_model`: the vision-language policy whose
+    processor turns a row's images into pixels (None for text policies)."""
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     examples = []
-    for row in rows:
-        prompt = render_chat(tokenizer, row[prompt_key], tools=row.get("tools"))
+    for index, row in enumerate(rows):
+        messages, images = row[prompt_key], None
+        if image_model is not None and (row.get("images") or has_image_parts(messages)):
+            messages = build_image_messages(messages, row.get("images"), f"SFT row {index}")
+        prompt = render_chat(tokenizer, messages, tools=row.get("tools"))
+        if image_model is not None and has_image_parts(messages):
+            processor = load_image_processor(image_model.name_or_path)
+            refs = collect_image_refs(messages)
+            prompt, images = build_image_prompt(prompt, refs, processor, image_model.config.image_token_id)
         response = tokenizer.encode(reference_response(row), add_special_tokens=False) + [end_of_turn]
-        examples.append((list(prompt) + response, [0] * len(prompt) + [1] * len(response)))
+        examples.append((list(prompt) + response, [0] * len(prompt) + [1] * len(response), images))
     return examples
 
 
@@ -53,7 +65,8 @@ def run_sft(
     prompt_key: str = "prompt",
 ) -> dict[str, float]:
     """Train `model` in place for `sft.epochs` (or `sft.max_steps`); returns the first and last loss."""
-    examples = build_sft_examples(tokenizer, rows, prompt_key)
+    vision = getattr(model.config, "vision_config", None) is not None
+    examples = build_sft_examples(tokenizer, rows, prompt_key, model if vision else None)
     device = next(model.parameters()).device
     optimizer = build_optimizer(model.parameters(), _SFTOptim(sft.lr))
     rng = random.Random(seed)
@@ -67,12 +80,13 @@ def run_sft(
     losses: list[float] = []
     with progress_bar("sft", len(batches)) as bar:
         for batch in batches:
-            input_ids, labels, attention = _pad([examples[i] for i in batch], pad_token_id)
+            input_ids, labels, attention = _pad([examples[i][:2] for i in batch], pad_token_id)
             out = model(
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),
                 labels=labels.to(device),
                 use_cache=False,
+                **_pixels([examples[i][2] for i in batch], input_ids.to(device), model),
             )
             optimizer.zero_grad(set_to_none=True)
             out.loss.backward()
@@ -82,6 +96,18 @@ def run_sft(
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     return _summary(losses, len(losses))
+
+
+def _pixels(images: list[Any], input_ids: torch.Tensor, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The batch's pixel inputs (rows in order) and image-pad types, from which the model computes mrope."""
+    present = [x for x in images if x is not None]
+    if not present:
+        return {}
+    return {
+        "pixel_values": torch.cat([x.pixel_values for x in present]).to(input_ids.device),
+        "image_grid_thw": torch.cat([x.image_grid_thw for x in present]).to(input_ids.device),
+        "mm_token_type_ids": (input_ids == model.config.image_token_id).int(),
+    }
 
 
 class _SFTOptim:

@@ -41,7 +41,7 @@ def test_reference_response_prefers_extra_info_response():
 
 def test_build_sft_examples_masks_only_the_response_tokens(tokenizer, rows):
     row = {**rows[0], "extra_info": {"response": "The answer is 1"}}
-    [(input_ids, mask)] = build_sft_examples(tokenizer, [row])
+    [(input_ids, mask, _)] = build_sft_examples(tokenizer, [row])
 
     prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
     assert len(input_ids) == len(mask)
@@ -54,7 +54,9 @@ def test_build_sft_examples_masks_only_the_response_tokens(tokenizer, rows):
 
 
 def _mean_loss(model, tokenizer, rows) -> float:
-    input_ids, labels, attention = _pad(build_sft_examples(tokenizer, rows), tokenizer.pad_token_id)
+    input_ids, labels, attention = _pad(
+        [e[:2] for e in build_sft_examples(tokenizer, rows)], tokenizer.pad_token_id
+    )
     with torch.no_grad():
         return model(
             input_ids=input_ids, attention_mask=attention, labels=labels, use_cache=False
@@ -100,8 +102,8 @@ def test_a_row_with_tools_renders_the_prompt_the_gateway_renders(tokenizer, rows
 
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
     row = {**rows[0], "tools": TOOLS, "extra_info": {"response": call}}
-    [(with_tools, mask)] = build_sft_examples(tokenizer, [row])
-    [(without_tools, _)] = build_sft_examples(tokenizer, [{**row, "tools": None}])
+    [(with_tools, mask, _)] = build_sft_examples(tokenizer, [row])
+    [(without_tools, _, _)] = build_sft_examples(tokenizer, [{**row, "tools": None}])
 
     first = mask.index(1)
     assert with_tools[:first] == render_chat(tokenizer, row["prompt"], tools=TOOLS)  # what RL will see
@@ -123,3 +125,21 @@ def test_the_warm_start_shows_a_progress_bar(model_path, tokenizer, rows, capsys
     )
     err = capsys.readouterr().err
     assert "sft: 100%" in err and "3/3" in err and "loss=" in err
+
+
+def test_image_rows_warm_start_a_vision_language_policy_on_their_pixels():
+    """A row with an image trains on the image pads and pixels the engine would serve; the loss falls."""
+    from PIL import Image
+
+    model = load_causal_lm("tiny:qwen2-vl")
+    tokenizer = load_tokenizer("tiny:qwen2-vl")
+    row = {
+        "prompt": [{"role": "user", "content": "<image>How many?"}],
+        "images": [Image.new("RGB", (56, 56), "red")],
+        "reward_model": {"ground_truth": "3"},
+    }
+    [(ids, mask, images)] = build_sft_examples(tokenizer, [row], image_model=model)
+    assert ids.count(model.config.image_token_id) == 4 and images.image_grid_thw.tolist() == [[1, 4, 4]]
+    sft = SFTConfig(epochs=20, lr=1e-3, batch_size=1)
+    metrics = run_sft(model, tokenizer, [row], sft, seed=0, pad_token_id=tokenizer.pad_token_id)
+    assert metrics["sft/final_loss"] < metrics["sft/first_loss"]
