@@ -12,10 +12,12 @@ PYTEST_ARGS ?=
 setup: $(VENV)/.stamp-setup
 
 # torch first (the CPU build on disk here); with it present nothing else pulls a CUDA torch.
-$(VENV)/.stamp-setup: pyproject.toml cookbooks/math/pyproject.toml cookbooks/tool_agent/pyproject.toml
+$(VENV)/.stamp-setup: pyproject.toml cookbooks/math/pyproject.toml cookbooks/tool_agent/pyproject.toml cookbooks/vlm/pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	@$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(VPY) -m pip install -q -e ".[dev]" -e cookbooks/math -e cookbooks/tool_agent
+	$(VPY) -m pip install -q -e ".[dev]" -e cookbooks/math -e cookbooks/tool_agent -e cookbooks/vlm
+	@# qwen-vl-utils for its image rules only: without deps it cannot pull torch/torchvision (docs/vlm.md).
+	$(VPY) -m pip install -q --no-deps "qwen-vl-utils==0.0.14"
 	@touch $@
 	@echo "agentrl: set up in $(VENV) (torch $$($(VPY) -c 'import torch; print(torch.__version__)'))"
 

@@ -130,6 +130,31 @@ PRESETS: dict[str, TinyPreset] = {
         # 56*56 .. 224*224 pixels -> 4 .. 64 image tokens after the 2x2 merge.
         image_processor={"min_pixels": 56 * 56, "max_pixels": 224 * 224},
     ),
+    # Qwen2-VL-2B's shapes (language model, vision tower, mrope sections) with random weights and the offline
+    # tokenizer: the VLM cookbook's GPU run (docs/vlm.md). Images up to 448x448 pixels (256 tokens).
+    "qwen2-vl-2b-shape": TinyPreset(
+        name="qwen2-vl-2b-shape",
+        text={
+            **_QWEN25_SHAPE,
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+        },
+        vision={
+            "depth": 32,
+            "embed_dim": 1280,
+            "num_heads": 16,
+            "mlp_ratio": 4,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+        },
+        image_processor={"min_pixels": 56 * 56, "max_pixels": 448 * 448},
+        extra={"mrope_section": [16, 24, 24]},
+    ),
 }
 
 
@@ -233,8 +258,11 @@ def _build_qwen2_vl(preset: TinyPreset, common: dict[str, Any], ids: dict[str, i
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     vision = {**preset.vision, "hidden_size": preset.text["hidden_size"]}
+    # A shape preset sets its own vocabulary size (ids past the tokenizer decode to nothing).
+    common = {**common, "vocab_size": preset.text.get("vocab_size", common["vocab_size"])}
+    mrope = {"type": "mrope", "mrope_section": preset.extra.get("mrope_section", [4, 6, 6])}
     config = Qwen2VLConfig(
-        text_config={**preset.text, **common, "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]}},
+        text_config={**preset.text, **common, "rope_scaling": mrope},
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],

@@ -131,3 +131,26 @@ def test_generate_and_backward(request, fixture):
     assert abs(loss.item() - torch.log(torch.tensor(2048.0)).item()) < 1.0  # near-uniform at init
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+def test_qwen2_vl_2b_shape_preset_has_the_real_model_shape():
+    """The GPU preset is Qwen2-VL-2B's architecture (2.2B parameters); built on the meta device, no memory."""
+    from agentrl.models import tokenizer as tok_lib
+    from agentrl.models.tiny import PRESETS, _build_qwen2_vl
+
+    preset = PRESETS["qwen2-vl-2b-shape"]
+    tokenizer = tok_lib.build_tokenizer(vocab_size=preset.vocab_size)
+    ids = {t: tokenizer.token_to_id(t) for t in tok_lib.SPECIAL_TOKENS}
+    common = {
+        "vocab_size": tokenizer.get_vocab_size(),
+        "bos_token_id": None,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+    }
+    with torch.device("meta"):
+        model = _build_qwen2_vl(preset, common, ids)
+    params = sum(p.numel() for p in model.parameters())
+    assert 2.1e9 < params < 2.3e9, params
+    assert model.config.text_config.vocab_size == 151936
+    assert model.config.vision_config.depth == 32
+    assert model.config.text_config.rope_scaling["mrope_section"] == [16, 24, 24]

@@ -1,0 +1,1 @@
+"""agentrl cookbook: count coloured shapes in pictures drawn at data-preparation time (see README.md)."""
