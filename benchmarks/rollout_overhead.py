@@ -11,9 +11,9 @@ N concurrent single-turn chat calls, every answer exactly `--tokens` tokens long
   gateway-inproc     the same, but the pool calls the in-process server through ASGI (no 2nd TCP hop)
   gateway-asgi       the client reaches the gateway through ASGI too (no TCP at all; what a collector
                      in the gateway's process could do, see docs/benchmarks.md)
-  collector-http     + the collector and an AgentFlow (sessions, traces, episodes): what training runs,
-                     pool over TCP (before)
-  collector-inproc   the same with the pool calling the engine's server in-process (after)
+  collector-http     + the collector and an AgentFlow (sessions, traces, episodes), every hop over TCP
+  collector-inproc   the same with the pool calling the engine's server in-process
+  collector-asgi     the same with the collector calling the gateway in-process too: what training runs
 
 Rows are measured round-robin `--repeats` times; the median wall time is reported, with ms per call
 and completion tokens/s. The split below the table is the difference between adjacent rows.
@@ -115,8 +115,9 @@ async def run_openai(base_url: str, conversations, tokens: int, app=None) -> int
     return sum(r.usage.completion_tokens for r in replies)
 
 
-async def run_collector(gateway: Gateway, conversations, calls: int) -> int:
-    collector = RolloutCollector(gateway, MODEL_NAME, CollectorLimits(max_steps=2, n_parallel_tasks=calls))
+async def run_collector(gateway: Gateway, conversations, calls: int, in_process: bool = False) -> int:
+    limits = CollectorLimits(max_steps=2, n_parallel_tasks=calls)
+    collector = RolloutCollector(gateway, MODEL_NAME, limits, in_process=in_process)
     tasks = [Task(id=f"t{i}", data={"prompt": m}) for i, m in enumerate(conversations)]
     episodes = await collector.collect(SingleTurnChatFlow(), tasks, n=1)
     errors = [e.error for e in episodes if e.error]
@@ -165,6 +166,7 @@ def main() -> int:
         "gateway-asgi": lambda: run_openai(in_proc.open_session(None), conversations, t, app=in_proc.app),
         "collector-http": lambda: run_collector(via_tcp, conversations, n),
         "collector-inproc": lambda: run_collector(in_proc, conversations, n),
+        "collector-asgi": lambda: run_collector(in_proc, conversations, n, in_process=True),
     }
 
     def once(fn: Callable[[], Awaitable[int] | int]) -> tuple[float, int]:
@@ -205,7 +207,8 @@ def main() -> int:
              ("client -> gateway TCP hop", "gateway-asgi", "gateway-inproc"),
              ("collector + flow (pool over TCP)", "gateway-http", "collector-http"),
              ("collector + flow (pool in-process)", "gateway-inproc", "collector-inproc"),
-             ("full path saved by the in-process pool", "collector-inproc", "collector-http")]  # fmt: skip
+             ("full path saved by the in-process pool", "collector-inproc", "collector-http"),
+             ("collector -> gateway TCP hop", "collector-asgi", "collector-inproc")]  # fmt: skip
     print("\nsplit (difference of median wall times, s):")
     for label, a, b in steps:
         print(f"  {label:<42}{median[b] - median[a]:>+8.3f}")

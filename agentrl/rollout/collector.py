@@ -20,6 +20,7 @@ import openai
 
 from agentrl.flow import AgentFlow, RolloutContext
 from agentrl.rollout.gateway import TURN_LIMIT_CODE
+from agentrl.rollout.http_server import InProcessFirstTransport
 from agentrl.types import Episode, Step, Task, TerminationReason, Trace, Trajectory
 
 _RETRYABLE = (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError)
@@ -56,9 +57,13 @@ class CollectorLimits:
 class RolloutCollector:
     """Runs rollouts through a gateway and returns one Episode per (task, sample)."""
 
-    def __init__(self, backend: SessionBackend, model_name: str, limits: CollectorLimits) -> None:
+    def __init__(
+        self, backend: SessionBackend, model_name: str, limits: CollectorLimits, *, in_process: bool = True
+    ) -> None:
+        """`in_process=False` reaches a gateway this process serves over TCP too (for measurements)."""
         self.backend = backend
         self.model_name = model_name
+        self.in_process = in_process
         self.limits = limits
         self._rounds = 0
 
@@ -81,7 +86,11 @@ class RolloutCollector:
             max_connections=self.limits.n_parallel_tasks * 2,
             max_keepalive_connections=self.limits.n_parallel_tasks,
         )
-        async with httpx.AsyncClient(timeout=self.limits.timeout, limits=limits) as http:
+        # A gateway in this process (the trainer's) is reached through ASGI, without a TCP hop.
+        transport: httpx.AsyncBaseTransport = httpx.AsyncHTTPTransport(limits=limits)
+        if self.in_process:
+            transport = InProcessFirstTransport(transport)
+        async with httpx.AsyncClient(timeout=self.limits.timeout, transport=transport) as http:
 
             async def one(task: Task, sample: int) -> Episode:
                 async with gate:

@@ -5,8 +5,9 @@ the server gets its own loop in its own thread. The socket is bound before uvico
 (port 0 = the OS picks a free port), so the port is known at once and cannot be taken by a
 concurrent test between choosing and binding.
 
-Apps served this way are also listed by URL (`find_local_app`), so a `RolloutPool` in the same
-process calls them in-process through `httpx.ASGITransport` instead of a second TCP hop. An app
+Apps served this way are also listed by URL (`find_local_app`), so clients in the same process (the
+`RolloutPool` calling its servers, the collector calling the gateway) reach them through
+`InProcessFirstTransport`: in-process ASGI instead of a TCP hop. An app
 whose admin routes have no token (`app.state.admin_token is None`) is refused a non-loopback host.
 """
 
@@ -22,7 +23,7 @@ import uvicorn
 
 from agentrl.rollout.admin_auth import ADMIN_TOKEN_ENV, is_loopback
 
-__all__ = ["ServerHandle", "find_local_app", "start_server_in_thread"]
+__all__ = ["InProcessFirstTransport", "ServerHandle", "find_local_app", "start_server_in_thread"]
 
 _LOCAL_APPS: dict[str, Any] = {}
 """`http://host:port` -> the ASGI app this process serves there (registered while it runs)."""
@@ -31,6 +32,31 @@ _LOCAL_APPS: dict[str, Any] = {}
 def find_local_app(origin: str) -> Any | None:
     """The app this process serves at `origin` (`http://host:port`), or None."""
     return _LOCAL_APPS.get(origin.rstrip("/"))
+
+
+class InProcessFirstTransport(httpx.AsyncBaseTransport):
+    """Requests to an app this process serves go to it through ASGI, in the caller's event loop; the rest
+    go to `network`. Measured on 128 concurrent calls, the TCP hop plus uvicorn's thread cost more than
+    the model on CPU (docs/benchmarks.md, benchmarks/rollout_overhead.py)."""
+
+    def __init__(self, network: httpx.AsyncBaseTransport) -> None:
+        self._network = network
+        self._local: dict[str, tuple[Any, httpx.ASGITransport]] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        origin = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        app = find_local_app(origin)
+        if app is None:
+            return await self._network.handle_async_request(request)
+        cached = self._local.get(origin)
+        if cached is None or cached[0] is not app:
+            # Exceptions become 500s, as over TCP, so failover treats both paths alike.
+            cached = (app, httpx.ASGITransport(app, raise_app_exceptions=False))
+            self._local[origin] = cached
+        return await cached[1].handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._network.aclose()
 
 
 class ServerHandle:

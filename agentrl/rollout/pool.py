@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import httpx
 
 from agentrl.rollout.admin_auth import admin_headers
-from agentrl.rollout.http_server import find_local_app
+from agentrl.rollout.http_server import InProcessFirstTransport
 
 ENGINES = ("embedded", "vllm")
 
@@ -213,6 +213,8 @@ class RolloutPool:
         """One client per event loop: the gateway's loop forwards while the trainer's loop may
         broadcast weight updates from another thread at the same time."""
         loop = asyncio.get_running_loop()
+        for stale in [other for other in self._clients if other.is_closed()]:
+            self._clients.pop(stale)  # a finished `asyncio.run` (a training step's collection)
         client = self._clients.get(loop)
         if client is None:
             transport = self._transport
@@ -220,7 +222,7 @@ class RolloutPool:
                 limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
                 transport = httpx.AsyncHTTPTransport(limits=limits)
                 if self._in_process:
-                    transport = _InProcessFirst(transport)
+                    transport = InProcessFirstTransport(transport)
             client = httpx.AsyncClient(timeout=self.request_timeout, transport=transport)
             self._clients[loop] = client
         return client
@@ -379,29 +381,6 @@ class RolloutPool:
         if resp.status_code != 200:
             return False, f"POST {path}: HTTP {resp.status_code}: {resp.text[:300]}"
         return True, ""
-
-
-class _InProcessFirst(httpx.AsyncBaseTransport):
-    """Requests to an app this process serves go to it through ASGI; the rest to the network."""
-
-    def __init__(self, network: httpx.AsyncBaseTransport) -> None:
-        self._network = network
-        self._local: dict[str, tuple[Any, httpx.ASGITransport]] = {}
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        origin = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
-        app = find_local_app(origin)
-        if app is None:
-            return await self._network.handle_async_request(request)
-        cached = self._local.get(origin)
-        if cached is None or cached[0] is not app:
-            # Exceptions become 500s, as over TCP, so failover treats both paths alike.
-            cached = (app, httpx.ASGITransport(app, raise_app_exceptions=False))
-            self._local[origin] = cached
-        return await cached[1].handle_async_request(request)
-
-    async def aclose(self) -> None:
-        await self._network.aclose()
 
 
 def _to_state(server: Any, default_engine: str) -> ServerState:

@@ -64,11 +64,16 @@ def test_ignore_eos_and_min_tokens_on_the_embedded_server(eos_case):
     handle, reference, eos_at = eos_case
     assert _complete(handle.url + "/v1") == (reference[: eos_at + 1], "stop")
     assert _complete(handle.url + "/v1", ignore_eos=True) == (reference, "length")
-    # min_tokens past the EOS: the EOS is kept and generation goes on to the next EOS or the length limit.
-    later = next((i for i in range(eos_at + 1, N) if reference[i] == reference[eos_at]), None)
-    expected = (reference[: later + 1], "stop") if later is not None else (reference, "length")
-    assert _complete(handle.url + "/v1", min_tokens=eos_at + 2) == expected
-    assert _complete(handle.url + "/v1", min_tokens=eos_at + 1) == (reference[: eos_at + 1], "stop")
+    # min_tokens past the EOS: as in vLLM the EOS cannot be drawn there, so greedy takes the next-best token
+    # and goes on; the answer ends at a later EOS or the length limit.
+    tokens, finish = _complete(handle.url + "/v1", min_tokens=eos_at + 2)
+    eos = reference[eos_at]
+    assert tokens[:eos_at] == reference[:eos_at] and tokens[eos_at] != eos
+    assert eos not in tokens[: eos_at + 2]  # the first eos_at + 2 tokens
+    assert (finish, tokens[-1]) == ("stop", eos) if finish == "stop" else len(tokens) == N
+    # vLLM's rule: min_tokens tokens come before an EOS can be drawn, so min_tokens=eos_at still allows it.
+    assert _complete(handle.url + "/v1", min_tokens=eos_at) == (reference[: eos_at + 1], "stop")
+    assert _complete(handle.url + "/v1", min_tokens=eos_at + 1)[0][eos_at] != reference[eos_at]
     r = httpx.post(handle.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "min_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
     r = httpx.post(handle.url + "/v1/completions", json={"prompt": PROMPT, "min_tokens": -1})
