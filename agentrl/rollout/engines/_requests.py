@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,8 @@ class Request:
     stream: bool = False
     """Deliver tokens after every step (else only finished completions)."""
     cancelled: bool = False
+    arrived: float = field(default_factory=time.monotonic)
+    """When it was enqueued: the scheduler holds prefills back a little to batch arrivals."""
     images: Any = None
     """`vision.ImageInputs` behind the prompt's image pads, or None for a text prompt."""
 

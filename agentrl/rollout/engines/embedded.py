@@ -55,6 +55,7 @@ __all__ = ["EmbeddedEngine", "StreamEvent", "build_embedded_engine", "fingerprin
 
 logger = logging.getLogger(__name__)
 MAX_TOP_LOGPROBS = 20
+ADMISSION_WINDOW_S = 0.02
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
@@ -106,6 +107,7 @@ class EmbeddedEngine:
         self._admin_waiting = 0
         self._tokens_generated = 0
         self._sequences_finished = 0
+        self._prefills = 0
         self._recent: deque[tuple[float, int]] = deque()
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
         self._thread.start()
@@ -239,9 +241,20 @@ class EmbeddedEngine:
         self._fail_running(RuntimeError("engine closed"))
 
     def _admit(self) -> list[tuple[Request, list[Sequence]]]:
+        """Waiting requests that fit, once the oldest has waited `ADMISSION_WINDOW_S` while rows run.
+
+        Each admission is one prefill forward (tens of ms on GPU, launch-bound whatever its size), and
+        the requests of a rollout arrive over a fraction of a second: admitting at every decode step
+        made one prefill per arrival. Holding them back a little batches arrivals into few prefills;
+        an idle engine, or enough waiting to fill every free slot, admits at once.
+        """
         admitted: list[tuple[Request, list[Sequence]]] = []
         with self._cond:
             free = self.max_num_seqs - len(self._rows)
+            if self._rows and self._waiting:
+                waiting = sum(len(seqs) for _, seqs in self._waiting)
+                if waiting < free and time.monotonic() - self._waiting[0][0].arrived < ADMISSION_WINDOW_S:
+                    return admitted
             while self._waiting and not self._asleep:
                 request, seqs = self._waiting[0]
                 if request.cancelled:
@@ -259,6 +272,7 @@ class EmbeddedEngine:
             logits = self._batch.decode([seq.pending for seq in self._rows])
             self._append(self._rows, logits)
         if admitted:
+            self._prefills += 1
             try:
                 images = [request.images for request, _ in admitted]
                 logits = self._batch.admit(
@@ -433,6 +447,7 @@ class EmbeddedEngine:
             "waiting": waiting,
             "tokens_generated": self._tokens_generated,
             "sequences_finished": self._sequences_finished,
+            "prefills": self._prefills,
             "throughput_tokens_per_s": round(throughput, 2),
             "kv_slots": self._batch.slots,
             "sleeping": self._asleep,

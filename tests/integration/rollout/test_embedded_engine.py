@@ -229,3 +229,28 @@ def test_min_tokens_blocks_stop_tokens_from_being_drawn(engine, prompts):
     out = asyncio.run(engine.generate(prompts[0], blocked))[0]
     assert first not in out.token_ids[:3]  # the argmax was blocked, another token was chosen
     assert len(out.token_ids) >= 3
+
+
+def test_arrivals_while_rows_run_are_batched_into_few_prefills(engine, prompts):
+    """24 requests arriving 1 ms apart next to a running row: a handful of prefills, not one per arrival."""
+
+    async def run():
+        running = asyncio.create_task(
+            engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=90))
+        )
+        while engine.stats()["running"] == 0:
+            await asyncio.sleep(0.001)
+        before = engine.stats()["prefills"]
+        calls = []
+        for i in range(24):
+            calls.append(
+                asyncio.create_task(engine.generate(prompts[i % 4], SamplingParams(max_tokens=8, seed=i)))
+            )
+            await asyncio.sleep(0.001)
+        outs = await asyncio.gather(*calls)
+        await running
+        return engine.stats()["prefills"] - before, outs
+
+    prefills, outs = asyncio.run(run())
+    assert all(len(out.token_ids) == 8 for (out,) in outs)
+    assert prefills <= 3, prefills
