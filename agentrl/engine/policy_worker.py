@@ -24,7 +24,7 @@ from agentrl.algorithms.kl import compute_kl_penalty
 from agentrl.algorithms.losses import aggregate_loss, compute_policy_loss
 from agentrl.engine.assembly import TrainBatch
 from agentrl.engine.forward import compute_log_probs
-from agentrl.engine.fsdp import shard_model
+from agentrl.engine.fsdp import compute_device, shard_model
 from agentrl.engine.lora import adapters_disabled, apply_lora, is_lora_model
 from agentrl.engine.model_state import load_model, save_full_weights, save_model
 from agentrl.engine.optim import build_lr_scheduler, build_optimizer
@@ -216,6 +216,12 @@ class PolicyWorker:
         cfg = self.config.actor_rollout_ref.actor
         mask = micro.response_mask.to(self.device)
         log_probs, entropy = compute_log_probs(self.actor, micro, with_entropy=True)
+        if log_probs.device.type != self.device.type:
+            raise RuntimeError(
+                f"the actor's forward ran on {log_probs.device}, the worker computes its loss on {self.device}: "
+                f"parameter {next(self.actor.parameters()).__class__.__name__} on "
+                f"{next(self.actor.parameters()).device}, compute device {compute_device(self.actor)}"
+            )
         # On-policy (one epoch, one mini-batch) the old policy is the current one: no separate forward.
         old = micro.tensors.get("old_log_probs")
         result = compute_policy_loss(
