@@ -201,6 +201,8 @@ class Controller:
             fraction=cfg.trainer.rollout_data_fraction,
             config_digest=config_hash(cfg),
             on_records=self.tracker.log_rollouts,
+            trace_freq=cfg.trainer.rollout_trace_freq,
+            last_step=self.total_steps,
         )
         if resume_from is not None:
             # Last, so nothing built above draws from the restored generators before step one.

@@ -14,9 +14,32 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 TAG_PREFIX = "agentrl."
+
+
+@contextmanager
+def use_tracking_uri(uri: str) -> Iterator[None]:
+    """Point MLflow's process-wide tracking URI at `uri`, then give back the previous one and the previous
+    `MLFLOW_TRACKING_URI` (`mlflow.set_tracking_uri` also sets that variable, which later runs would read)."""
+    import mlflow
+
+    before, env = mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI")
+    if before == uri:
+        yield
+        return
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(before)
+        if env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = env
 
 
 class EpisodeTraceWriter:
@@ -26,15 +49,13 @@ class EpisodeTraceWriter:
         self.tracking_uri = tracking_uri
         self.experiment_id = experiment_id
         self.run_id = run_id
-        self._restore: tuple[str, str | None] | None = None
+        self._uri: ExitStack | None = None
 
     def log(self, records: list[dict[str, Any]]) -> None:
         """Queue one trace per record; they are in the store once `close` returns (or sooner)."""
-        import mlflow
-
-        if self._restore is None and mlflow.get_tracking_uri() != self.tracking_uri:
-            self._restore = (mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI"))
-            mlflow.set_tracking_uri(self.tracking_uri)
+        if self._uri is None:
+            self._uri = ExitStack()
+            self._uri.enter_context(use_tracking_uri(self.tracking_uri))
         for record in records:
             _log_episode(record, self.experiment_id, self.run_id)
 
@@ -45,14 +66,9 @@ class EpisodeTraceWriter:
         try:
             mlflow.flush_trace_async_logging()
         finally:
-            if self._restore is not None:
-                uri, env = self._restore
-                self._restore = None
-                mlflow.set_tracking_uri(uri)
-                if env is None:
-                    os.environ.pop("MLFLOW_TRACKING_URI", None)
-                else:
-                    os.environ["MLFLOW_TRACKING_URI"] = env
+            if self._uri is not None:
+                self._uri.close()
+                self._uri = None
 
 
 def trace_tags(record: dict[str, Any]) -> dict[str, str]:

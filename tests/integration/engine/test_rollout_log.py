@@ -15,6 +15,7 @@ import pytest
 from agentrl import AgentTrainer, MathAnswerMatch, SingleTurnChatFlow, load_rollouts
 from agentrl.data import sample_path
 from agentrl.engine.rollout_log import is_sampled
+from agentrl.tracking.mlflow_traces import use_tracking_uri
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +58,9 @@ def _train(run_dir: Path, rows: list[dict], *extra: str) -> None:
 @pytest.fixture(scope="module")
 def mlflow_run(tmp_path_factory, rows) -> Path:
     run_dir = tmp_path_factory.mktemp("rollouts") / "run"
-    _train(run_dir, rows, "trainer.logger=[console,mlflow]")
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("MLFLOW_TRACKING_URI", raising=False)  # the run's own store, under run_dir
+        _train(run_dir, rows, "trainer.logger=[console,mlflow]")
     return run_dir
 
 
@@ -133,9 +136,7 @@ def test_mlflow_search_traces_returns_the_last_steps_episodes(mlflow_run):
     last = [
         json.loads(line) for line in (mlflow_run / "rollouts" / "step_000002.jsonl").read_text().splitlines()
     ]
-    before = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(f"sqlite:///{mlflow_run}/mlflow.db")
-    try:
+    with use_tracking_uri(f"sqlite:///{mlflow_run}/mlflow.db"):
         experiment = mlflow.get_experiment_by_name("agentrl")
         run_id = (mlflow_run / "mlflow_run_id.txt").read_text().strip()
         traces = mlflow.search_traces(
@@ -144,8 +145,13 @@ def test_mlflow_search_traces_returns_the_last_steps_episodes(mlflow_run):
             filter_string="tags.`agentrl.step` = '2' AND tags.`agentrl.split` = 'train'",
             return_type="list",
         )
-    finally:
-        mlflow.set_tracking_uri(before)
+        # trainer.rollout_trace_freq=10: of steps 1 and 2 only the last is traced.
+        not_traced = mlflow.search_traces(
+            locations=[experiment.experiment_id],
+            filter_string="tags.`agentrl.step` = '1'",
+            return_type="list",
+        )
+    assert not_traced == []
     assert sorted(t.info.tags["agentrl.episode_id"] for t in traces) == sorted(r["episode_id"] for r in last)
     by_id = {r["episode_id"]: r for r in last}
     for trace in traces:

@@ -95,6 +95,27 @@ def test_a_fraction_keeps_that_share_by_episode_id_and_zero_keeps_none():
     assert not any(is_sampled(e, 5, "train", 0.0) for e in ids)
 
 
+def test_traces_go_out_every_trace_freq_steps_and_on_the_last_step(tmp_path):
+    seen = []
+    log = RolloutLog(
+        tmp_path,
+        fraction=1.0,
+        config_digest="abc",
+        on_records=lambda r, s: seen.append(s),
+        trace_freq=3,
+        last_step=7,
+    )
+    for step in range(8):
+        log.write(step, [_tool_episode()])
+    assert seen == [0, 3, 6, 7]
+    assert len(list(tmp_path.glob("step_*.jsonl"))) == 8  # every step is saved all the same
+    never = RolloutLog(
+        tmp_path, fraction=1.0, config_digest="abc", on_records=lambda r, s: seen.append(s), trace_freq=-1
+    )
+    never.write(7, [_tool_episode()])
+    assert seen == [0, 3, 6, 7]
+
+
 def test_a_step_file_is_replaced_whole_and_fraction_zero_writes_nothing(tmp_path):
     seen = []
     log = RolloutLog(

@@ -12,6 +12,7 @@ from mlflow.entities import SpanType
 
 from agentrl.engine.rollout_log import episode_record
 from agentrl.tracking import build_tracker
+from agentrl.tracking.mlflow_traces import use_tracking_uri
 from tests.unit.engine.test_rollout_log import _tool_episode
 
 
@@ -34,16 +35,14 @@ def test_an_episode_becomes_a_trace_with_model_and_tool_spans(tmp_path):
     tracker.finish()
     assert mlflow.get_tracking_uri() == before and "MLFLOW_TRACKING_URI" not in os.environ
 
-    mlflow.set_tracking_uri(tracker.backends["mlflow"].tracking_uri)
-    try:
+    with use_tracking_uri(tracker.backends["mlflow"].tracking_uri):
         (trace,) = mlflow.search_traces(
             locations=[tracker.backends["mlflow"].experiment_id],
             run_id=tracker.mlflow_run_id,
             filter_string="tags.`agentrl.step` = '4'",
             return_type="list",
         )
-    finally:
-        mlflow.set_tracking_uri(before)
+    assert mlflow.get_tracking_uri() == before and "MLFLOW_TRACKING_URI" not in os.environ
     tags = trace.info.tags
     assert tags["agentrl.episode_id"] == "train-7:1" and tags["agentrl.filtered"] == "false"
     assert tags["agentrl.reward"] == "1.0" and tags["agentrl.termination_reason"] == "env_done"
