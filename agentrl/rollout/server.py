@@ -4,6 +4,8 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /he
 routes POST /update_weights, /v1/load_lora_adapter, /sleep, /wake_up, GET /is_sleeping, /metrics.
 Responses carry `policy_version` (the weights version when the request started) and, with
 `return_token_ids: true`, the exact prompt and completion token ids in vLLM 0.32's fields.
+`tool_choice` naming a function or `"required"`, and `response_format` `json_schema` / `json_object`,
+are served by constrained decoding (`engines/constraints.py`); the forced call comes back as `tool_calls`.
 Bad requests get a 400 in OpenAI's error shape naming the field (`param`); a model name other than
 the served one (or its LoRA adapter) is a 404 naming `model`, as vLLM answers. A vision-language
 engine takes `image_url` parts (`engines/vision.py`: the prompt ids then hold every image pad, and the
@@ -40,6 +42,7 @@ from agentrl.rollout._sse import stream_chat, stream_completions
 from agentrl.rollout.admin_auth import AdminAuthError, build_admin_guard
 from agentrl.rollout.chat import parse_tool_calls, render_chat
 from agentrl.rollout.engines._weights import read_state_dict
+from agentrl.rollout.engines.constraints import Constraint, ConstraintError, build_constraint
 from agentrl.rollout.engines.vision import (
     IMAGE_PART_TYPES,
     ImageInputs,
@@ -127,17 +130,20 @@ def _refuse_media(server: _Server, req: ChatCompletionRequest) -> None:
                 )
 
 
+def _chat_constraint(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> Constraint | None:
+    """The format a forced tool call or a JSON response format asks for (None: free text)."""
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+    response_format = req.response_format.model_dump(by_alias=True) if req.response_format else None
+    try:
+        return build_constraint(tools, choice, response_format, req.parallel_tool_calls)
+    except ConstraintError as error:
+        raise RequestError(str(error), error.param) from error
+
+
 def _render_chat_request(
     server: _Server, req: ChatCompletionRequest
 ) -> tuple[list[int], bool, ImageInputs | None]:
     """Prompt ids (image pads expanded), whether tool calls should be parsed, and the prompt's pixels."""
-    if req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice):
-        shown = req.tool_choice if isinstance(req.tool_choice, str) else "a named function"
-        raise RequestError(
-            f"tool_choice: {shown!r} is not supported by the embedded engine (it has no constrained "
-            "decoding to force a call); use 'auto' (the default with tools) or 'none'",
-            "tool_choice",
-        )
     _refuse_media(server, req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     messages = [m.model_dump(exclude_none=True) | {"content": m.content} for m in req.messages]
@@ -163,14 +169,16 @@ def _render_chat_request(
 async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
     server.check_request(req)
     prompt_ids, parse_tools, images = _render_chat_request(server, req)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    extra = {"constraint": constraint} if (constraint := _chat_constraint(req, tools)) else {}
     params = req.to_sampling_params(server.max_tokens(req.requested_max_tokens(), len(prompt_ids)))
     top = (req.top_logprobs or 0) if req.logprobs else 0
     version = server.engine.policy_version
     if req.stream:
-        events = _start(server.engine.stream, prompt_ids, params, top, images)
+        events = _start(server.engine.stream, prompt_ids, params, top, images, **extra)
         body = stream_chat(server, req, prompt_ids, events, parse_tools, version)
         return StreamingResponse(body, media_type="text/event-stream")
-    outputs = await _run(server.engine.generate, prompt_ids, params, top, images)
+    outputs = await _run(server.engine.generate, prompt_ids, params, top, images, **extra)
     choices = []
     for i, out in enumerate(outputs):
         message: dict[str, Any] = {"role": "assistant", "content": out.text}
@@ -273,23 +281,33 @@ async def _completions(server: _Server, req: CompletionRequest) -> Any:
 
 
 def _start(
-    stream_fn: Any, prompt_ids: list[int], params: SamplingParams, top: int, images: Any = None
+    stream_fn: Any, prompt_ids: list[int], params: SamplingParams, top: int, images: Any = None, **extra: Any
 ) -> Any:
+    """`extra`: the `constraint`, passed only when there is one (engines without constraints stay usable)."""
     try:
         if images is not None:
-            return stream_fn(prompt_ids, params, top_logprobs=top, images=images)
-        return stream_fn(prompt_ids, params, top_logprobs=top)
+            return stream_fn(prompt_ids, params, top_logprobs=top, images=images, **extra)
+        return stream_fn(prompt_ids, params, top_logprobs=top, **extra)
+    except ConstraintError as error:
+        raise RequestError(str(error), error.param) from error
     except ValueError as error:
         raise RequestError(str(error), "prompt") from error
 
 
 async def _run(
-    generate_fn: Any, prompt_ids: list[int], params: SamplingParams, top: int, images: Any = None
+    generate_fn: Any,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    top: int,
+    images: Any = None,
+    **extra: Any,
 ) -> Any:
     try:
         if images is not None:
-            return await generate_fn(prompt_ids, params, top_logprobs=top, images=images)
-        return await generate_fn(prompt_ids, params, top_logprobs=top)
+            return await generate_fn(prompt_ids, params, top_logprobs=top, images=images, **extra)
+        return await generate_fn(prompt_ids, params, top_logprobs=top, **extra)
+    except ConstraintError as error:
+        raise RequestError(str(error), error.param) from error
     except ValueError as error:
         raise RequestError(str(error), "prompt") from error
 

@@ -50,6 +50,8 @@ class Request:
     """When it was enqueued: the scheduler holds prefills back a little to batch arrivals."""
     images: Any = None
     """`vision.ImageInputs` behind the prompt's image pads, or None for a text prompt."""
+    constraint: Any = None
+    """`constraints.Constraint` the completions must follow (forced tool call, JSON), or None."""
 
 
 @dataclass
@@ -66,6 +68,8 @@ class Sequence:
     stop_text_end: int | None = None
     decoded_len: int = 0
     sent: int = 0
+    matcher: Any = None
+    """The grammar matcher of a constrained completion (`constraints.py`), advanced token by token."""
 
     @property
     def pending(self) -> int:
@@ -97,6 +101,8 @@ class Detokenizer:
         there is kept and generation goes on (vLLM masks them from sampling instead), and stop
         strings count only in text decoded after the first `min_tokens` tokens.
         """
+        if seq.finish_reason is not None:  # its grammar ended it (constraints.advance)
+            return
         params = seq.request.params
         if len(seq.token_ids) < params.min_tokens:
             if params.stop:  # text up to here may not end the sequence later

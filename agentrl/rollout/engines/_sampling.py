@@ -15,6 +15,10 @@ Logprobs are always the log-softmax of the RAW logits (before temperature, top-k
 min_tokens mask) at the chosen token: the log-probability of the token under the policy itself,
 which is what PPO/GRPO importance ratios need (verl and vLLM's default `logprobs_mode="raw_logprobs"`
 do the same).
+
+A row may also carry an allowed-token bitmask (constrained decoding, `constraints.py`): tokens outside
+it are removed from the choice logits before filtering and the draw, like blocked tokens. The
+reported logprob stays the raw, unmasked one.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ class RowSampling:
     top_logprobs: int = 0
     blocked_token_ids: tuple[int, ...] = ()
     """Tokens this row cannot choose: EOS and stop tokens below `min_tokens` (vLLM's rule); logprobs stay raw."""
+    allowed: torch.Tensor | None = None
+    """Constrained rows only: (ceil(V / 32),) int32 bitmask, bit b of word w allows token 32 * w + b
+    (llguidance's layout); every other token is removed before the draw. None = unconstrained."""
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +106,27 @@ def filter_logits(
     return torch.full_like(scaled, float("-inf")).scatter(1, sorted_idx, sorted_logits)
 
 
+def _unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(k, W) int32 bitmask -> (k, vocab) bool; tokens past 32 * W are not allowed."""
+    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    if bits.shape[1] < vocab:
+        return torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]), value=False)
+    return bits[:, :vocab]
+
+
+def _apply_allowed(choice_logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
+    """Remove, in the rows that carry a bitmask, every token it does not allow (-inf)."""
+    constrained = [i for i, row in enumerate(rows) if row.allowed is not None]
+    if not constrained:
+        return choice_logits
+    dev = choice_logits.device
+    words = torch.stack([rows[i].allowed for i in constrained]).to(dev)
+    allowed = _unpack_bitmask(words, choice_logits.shape[-1])
+    idx = torch.tensor(constrained, device=dev)
+    return choice_logits.index_copy(0, idx, choice_logits[idx].masked_fill(~allowed, float("-inf")))
+
+
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Token ids drawn from each row of `probs` (B, V) with the given uniforms (B,)."""
     cdf = torch.cumsum(probs, dim=-1)
@@ -125,6 +153,7 @@ def select_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> StepResult:
         choice_logits = logits.clone()
         row_idx, token_idx = torch.tensor(blocked, device=dev).unbind(1)
         choice_logits[row_idx, token_idx] = float("-inf")
+    choice_logits = _apply_allowed(choice_logits, rows)
     chosen = torch.argmax(choice_logits, dim=-1)
     sampled = [i for i, row in enumerate(rows) if not row.greedy]
     if sampled:

@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from agentrl.rollout.engines._sampling import RowSampling, select_tokens
 from agentrl.rollout.engines._slot_batch import SlotBatch
 from agentrl.rollout.engines._slot_decode import slot_decode_unsupported
 from agentrl.rollout.engines._weights import LoraMerger, fingerprint_state_dict, load_weights_in_place
+from agentrl.rollout.engines.constraints import Constraint, GrammarCompiler, advance, fill_bitmasks
 from agentrl.rollout.engines.vision import (
     ImageBatch,
     ImageInputs,
@@ -109,6 +111,7 @@ class EmbeddedEngine:
         self._sequences_finished = 0
         self._prefills = 0
         self._recent: deque[tuple[float, int]] = deque()
+        self._grammars: GrammarCompiler | None = None
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
         self._thread.start()
 
@@ -136,13 +139,17 @@ class EmbeddedEngine:
         *,
         top_logprobs: int = 0,
         images: ImageInputs | None = None,
+        constraint: Constraint | None = None,
     ) -> list[GenerationOutput]:
         """`params.n` completions of `prompt_ids` (token ids, raw logprobs, text, finish reason).
 
         `images`: the pixels behind the prompt's image pads (`vision.build_image_prompt`).
+        `constraint`: the format the completions must follow (`constraints.build_constraint`).
         """
         outputs: list[GenerationOutput | None] = [None] * params.n
-        request = self._submit(prompt_ids, params, top_logprobs, stream=False, images=images)
+        request = self._submit(
+            prompt_ids, params, top_logprobs, stream=False, images=images, constraint=constraint
+        )
         async for event in self._drain(request):
             outputs[event.index] = event.output
         return outputs  # type: ignore[return-value]
@@ -154,13 +161,17 @@ class EmbeddedEngine:
         *,
         top_logprobs: int = 0,
         images: ImageInputs | None = None,
+        constraint: Constraint | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """Like `generate`, but yields each completion's new tokens after every decode step.
 
         Validates and enqueues at once (ValueError before any event), so a server can answer 400
         before it starts streaming. Call it from inside the running event loop.
         """
-        return self._drain(self._submit(prompt_ids, params, top_logprobs, stream=True, images=images))
+        request = self._submit(
+            prompt_ids, params, top_logprobs, stream=True, images=images, constraint=constraint
+        )
+        return self._drain(request)
 
     async def _drain(self, request: Request) -> AsyncIterator[StreamEvent]:
         remaining = request.params.n
@@ -183,6 +194,7 @@ class EmbeddedEngine:
         top_logprobs: int,
         stream: bool,
         images: ImageInputs | None = None,
+        constraint: Constraint | None = None,
     ) -> Request:
         """Validate (ValueError names the problem; the server turns it into a 400) and enqueue."""
         if not prompt_ids:
@@ -214,11 +226,14 @@ class EmbeddedEngine:
             queue=asyncio.Queue(),
             stream=stream,
             images=images,
+            constraint=constraint,
         )
+        seqs = build_sequences(request)
+        self._attach_matchers(seqs)
         with self._cond:
             if self._closed:
                 raise RuntimeError("engine is closed")
-            self._waiting.append((request, build_sequences(request)))
+            self._waiting.append((request, seqs))
             self._cond.notify()
         return request
 
@@ -304,7 +319,8 @@ class EmbeddedEngine:
             )
             for s in rows
         ]
-        step = select_tokens(logits, settings)
+        step = select_tokens(logits, self._constrain_rows(rows, settings))
+        self._advance_matchers(rows, step.token_ids)
         events: dict[int, tuple[Request, list[StreamEvent]]] = {}
         for i, seq in enumerate(rows):
             seq.token_ids.append(step.token_ids[i])
@@ -326,10 +342,45 @@ class EmbeddedEngine:
     def _blocked_below_min_tokens(self, seq: Sequence) -> tuple[int, ...]:
         """Below `min_tokens`, EOS (unless ignored) and stop tokens cannot be drawn, as in vLLM."""
         params = seq.request.params
-        if len(seq.token_ids) >= params.min_tokens:
+        if len(seq.token_ids) >= params.min_tokens or seq.matcher is not None:  # a grammar decides its end
             return ()
         eos = () if params.ignore_eos else tuple(self._detok.eos_token_ids)
         return eos + tuple(params.stop_token_ids)
+
+    # ----- constrained decoding (constraints.py) ----------------------------------------------
+    def _attach_matchers(self, seqs: list[Sequence]) -> None:
+        """Give each sequence of a constrained request its grammar matcher (ConstraintError if invalid)."""
+        constraint = seqs[0].request.constraint if seqs else None
+        if constraint is None:
+            return
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self._detok.eos_token_ids)
+        for seq, matcher in zip(seqs, self._grammars.start(constraint, len(seqs)), strict=True):
+            seq.matcher = matcher
+
+    def _constrain_rows(self, rows: list[Sequence], settings: list[RowSampling]) -> list[RowSampling]:
+        """Each constrained row's allowed-token bitmask; no work when no row is constrained."""
+        constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
+        if not constrained:
+            return settings
+        masks = fill_bitmasks([rows[i].matcher for i in constrained], self.vocab_size)
+        settings = list(settings)
+        for i, mask in zip(constrained, masks, strict=True):
+            settings[i] = replace(settings[i], allowed=mask)
+        return settings
+
+    def _advance_matchers(self, rows: list[Sequence], token_ids: list[int]) -> None:
+        """Feed each constrained row its drawn token; a completed grammar ends the row ("stop")."""
+        for seq, token in zip(rows, token_ids, strict=True):
+            if seq.matcher is not None:
+                reason = advance(seq.matcher, token, self._detok.eos_token_ids)
+                if reason == "abort":
+                    logger.error(
+                        "constrained row drew token %d outside its grammar: %s",
+                        token,
+                        seq.matcher.get_error(),
+                    )
+                seq.finish_reason = reason
 
     def _retire(self) -> None:
         keep = [i for i, s in enumerate(self._rows) if s.finish_reason is None and not s.request.cancelled]

@@ -181,9 +181,14 @@ def test_tool_call_round_trip_history(server, tokenizer):
         )
     )
     assert streamed[-1].choices[0].finish_reason in ("length", "stop", "tool_calls")
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="tiny", messages=messages, tools=tools, tool_choice="required")
-    assert info.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as info:  # forcing a function that is not in `tools`
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            tools=tools,
+            tool_choice={"type": "function", "function": {"name": "subtract"}},
+        )
+    assert info.value.body["param"] == "tool_choice" and "subtract" in info.value.body["message"]
 
 
 def test_64_concurrent_requests_all_complete(server):

@@ -98,3 +98,36 @@ def test_blocked_tokens_are_never_chosen_but_logprobs_stay_raw():
     raw = torch.log_softmax(logits[0], dim=-1)
     assert math.isclose(step.logprobs[0], raw[step.token_ids[0]].item(), rel_tol=1e-6)
     assert select_tokens(logits[:1], [_row(temperature=0.0)]).token_ids == [0]
+
+
+def _bitmask(allowed: list[int], vocab: int) -> torch.Tensor:
+    words = [0] * ((vocab + 31) // 32)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+def test_allowed_bitmask_restricts_the_draw_and_logprobs_stay_raw():
+    """Constrained rows choose only allowed tokens (greedy and sampled); their logprob is the unmasked
+    log-softmax; an unconstrained row in the same batch is untouched. Vocab 40 spans two bitmask words,
+    and token 33 sits in the second word, bit 1; token 31 is the sign bit of the first word."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    logits[:, 5] = 20.0  # the unmasked favourite, allowed nowhere it is masked
+    allowed = _bitmask([31, 33], 40)
+    for position in range(30):
+        rows = [
+            RowSampling(0.0, 1.0, -1, 0, position, allowed=allowed),
+            RowSampling(1.0, 1.0, -1, 9, position, allowed=allowed),
+            RowSampling(0.0, 1.0, -1, 0, position),
+        ]
+        step = select_tokens(logits, rows)
+        assert step.token_ids[0] == (31 if logits[0, 31] > logits[0, 33] else 33)
+        assert step.token_ids[1] in (31, 33) and step.token_ids[2] == 5
+        raw = torch.log_softmax(logits, dim=-1)
+        for i in range(3):
+            assert math.isclose(step.logprobs[i], raw[i, step.token_ids[i]].item(), rel_tol=1e-6)
+    drawn = {
+        select_tokens(logits[1:2], [RowSampling(1.0, 1.0, -1, 9, p, allowed=allowed)]).token_ids[0]
+        for p in range(40)
+    }
+    assert drawn == {31, 33}  # both allowed tokens are drawn: the mask renormalises, it does not pick
