@@ -15,8 +15,12 @@ import torch.distributed as dist
 
 
 def init_worker_process_group(rank: int, world_size: int, init_method: str, device: str) -> None:
-    """Join the group: NCCL on CUDA, gloo on CPU. A hung peer fails collectives after 10 minutes."""
-    if world_size <= 1 or dist.is_initialized():
+    """Join the group: NCCL on CUDA, gloo on CPU. A hung peer fails collectives after 10 minutes.
+
+    A group of one is joined too: FSDP2 (and with it parameter offload) needs a process group, and one GPU
+    under the Ray backend offloads like eight.
+    """
+    if dist.is_initialized():
         return
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":

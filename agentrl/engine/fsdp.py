@@ -40,7 +40,8 @@ def shard_model(
         if compute_dtype is not None
         else MixedPrecisionPolicy()
     )
-    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    # On a CPU mesh the shards already live in host memory: offloading them is a no-op (and pinning fails).
+    policy = CPUOffloadPolicy() if offload and device_type != "cpu" else OffloadPolicy()
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mixed, offload_policy=policy)
