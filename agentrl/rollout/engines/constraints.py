@@ -96,7 +96,7 @@ def _schema_text(schema: Any, param: str) -> str:
         raise ConstraintError(
             f"{param}: the JSON schema must be an object, got {type(schema).__name__}", param
         )
-    return json.dumps(_close_objects(schema), sort_keys=True)
+    return json.dumps(_close_objects(schema))  # key order kept: properties are generated in it
 
 
 def _tool_schemas(tools: list[dict[str, Any]] | None, names: list[str] | None) -> tuple[tuple[str, str], ...]:
@@ -192,14 +192,15 @@ class GrammarCompiler:
     def __init__(
         self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int], cache_size: int = 256
     ) -> None:
+        """A constrained completion ends with the tokenizer's EOS, the token the chat template closes a
+        turn with (`<|im_end|>`), not another of the model's EOS ids (`<|endoftext|>`)."""
         import llguidance
         import llguidance.hf
 
         self._llg = llguidance
-        self._tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
-        )
-        self.eos_token_ids = set(eos_token_ids)
+        end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(eos_token_ids)
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=end)
+        self.eos_token_ids = {end}
         self._marker = {
             "open": self._tag(tokenizer, TOOL_CALL_OPEN),
             "close": self._tag(tokenizer, TOOL_CALL_CLOSE),

@@ -373,7 +373,7 @@ class EmbeddedEngine:
         """Feed each constrained row its drawn token; a completed grammar ends the row ("stop")."""
         for seq, token in zip(rows, token_ids, strict=True):
             if seq.matcher is not None:
-                reason = advance(seq.matcher, token, self._detok.eos_token_ids)
+                reason = advance(seq.matcher, token, self._grammars.eos_token_ids)
                 if reason == "abort":
                     logger.error(
                         "constrained row drew token %d outside its grammar: %s",
