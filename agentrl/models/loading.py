@@ -65,7 +65,8 @@ def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu", **kwa
     """Load a causal LM (or, for a Qwen2-VL folder, the image-text-to-text model) in eval mode.
 
     Callers that train switch it to `.train()`; keeping eval as the default means a freshly loaded
-    model generates deterministically (no dropout) wherever it is used.
+    model generates deterministically (no dropout) wherever it is used. Weights load straight onto
+    `device` (`device_map`, accelerate's big-model loading), not through a full copy in host memory.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -73,6 +74,7 @@ def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu", **kwa
     resolved = resolve_model_path(path)
     config = AutoConfig.from_pretrained(resolved, trust_remote_code=kwargs.get("trust_remote_code", False))
     auto_cls = AutoModelForImageTextToText if _is_vision_language(config) else AutoModelForCausalLM
+    kwargs.setdefault("device_map", device)
     model = auto_cls.from_pretrained(resolved, dtype=_to_torch_dtype(dtype), **kwargs)
     return model.to(device).eval()
 
