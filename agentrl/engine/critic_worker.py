@@ -6,7 +6,7 @@ Like the policy worker it runs whole in one process, or FSDP2-sharded as one ran
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,9 @@ from agentrl.engine.model_state import load_model, save_model
 from agentrl.engine.optim import build_lr_scheduler, build_optimizer
 from agentrl.engine.ppo_update import run_ppo_updates
 from agentrl.models import resolve_model_path
+
+if TYPE_CHECKING:
+    from agentrl.config import AgentRLConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,7 +37,7 @@ def load_value_model(path: str, dtype: str, device: str) -> torch.nn.Module:
 class CriticWorker:
     """Computes values for a batch and updates the value model on (values, returns)."""
 
-    def __init__(self, config: Any, *, total_steps: int, device: str = "cpu") -> None:
+    def __init__(self, config: AgentRLConfig, *, total_steps: int, device: str = "cpu") -> None:
         self.config = config
         critic_cfg = config.critic
         path = resolve_model_path(critic_cfg.model.path or config.actor_rollout_ref.model.path)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ from agentrl.engine.ppo_update import run_ppo_updates
 from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
 from agentrl.models.vision import apply_vision_tower_setting
 
+if TYPE_CHECKING:
+    from agentrl.config import AgentRLConfig
+
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,7 +50,7 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device
 class PolicyWorker:
     """Owns the actor model, optimizer and schedule, the reference policy, and the rollout server."""
 
-    def __init__(self, config: Any, *, total_steps: int, device: str = "cpu") -> None:
+    def __init__(self, config: AgentRLConfig, *, total_steps: int, device: str = "cpu") -> None:
         arr = config.actor_rollout_ref
         self.config = config
         self.device = torch.device(device)
@@ -245,7 +248,9 @@ class PolicyWorker:
             "actor/entropy": entropy_loss.item(),
         }
         if old is None:  # the gap the skipped old-log-prob pass would have measured (engine vs trainer)
-            stats.update(_rollout_logprob_gap(log_probs.detach(), micro.rollout_log_probs.to(self.device), mask))
+            stats.update(
+                _rollout_logprob_gap(log_probs.detach(), micro.rollout_log_probs.to(self.device), mask)
+            )
         if cfg.use_kl_loss:
             kl = compute_kl_penalty(log_probs, micro["ref_log_probs"].to(self.device), cfg.kl_loss_type)
             kl_loss = aggregate_loss(kl, mask, cfg.loss_agg_mode)
@@ -308,7 +313,9 @@ class PolicyWorker:
             self.rollout = None
 
 
-def _rollout_logprob_gap(log_probs: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def _rollout_logprob_gap(
+    log_probs: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """|trainer - engine| log-prob gap on response tokens: the engine served stale or wrong weights if large."""
     gap = (log_probs - rollout).abs()[mask.bool()]
     if gap.numel() == 0:  # a zero-weight padding micro-batch

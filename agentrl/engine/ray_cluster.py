@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.engine.worker_group import RayWorkerGroup
+
+if TYPE_CHECKING:
+    from agentrl.config import AgentRLConfig
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +23,7 @@ log = logging.getLogger(__name__)
 class RayCluster:
     """Owns the Ray runtime (when it started it) and the placement group of the run's devices."""
 
-    def __init__(self, config: Any, device: str) -> None:
+    def __init__(self, config: AgentRLConfig, device: str) -> None:
         import ray
         from ray.util.placement_group import placement_group
 

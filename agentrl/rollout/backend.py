@@ -12,9 +12,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from agentrl.config import AgentRLConfig
 
 
 class ProbeResult(NamedTuple):
@@ -51,7 +54,9 @@ class RolloutBackend(Protocol):
         """Stop every server and process the backend started."""
 
 
-def build_rollout_backend(model_path: str, tokenizer: Any, config: Any, *, device: str) -> RolloutBackend:
+def build_rollout_backend(
+    model_path: str, tokenizer: Any, config: AgentRLConfig, *, device: str
+) -> RolloutBackend:
     """Start the engine `actor_rollout_ref.rollout.name` names, serving the weights at `model_path`."""
     name = config.actor_rollout_ref.rollout.name
     if name == "embedded":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from agentrl.rollout.backend import ProbeResult, probe_server
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.rollout.http_server import ServerHandle, start_server_in_thread
 from agentrl.rollout.server import build_server_app
+
+if TYPE_CHECKING:
+    from agentrl.config import AgentRLConfig
 
 
 @dataclass
@@ -54,7 +57,9 @@ class EmbeddedRollout:
         self.engine.close()
 
 
-def start_embedded_rollout(model_path: str, tokenizer: Any, config: Any, *, device: str) -> EmbeddedRollout:
+def start_embedded_rollout(
+    model_path: str, tokenizer: Any, config: AgentRLConfig, *, device: str
+) -> EmbeddedRollout:
     """Load the serving copy of the policy and start its server (`actor_rollout_ref.rollout.*`)."""
     rollout = config.actor_rollout_ref.rollout
     model = load_causal_lm(model_path, dtype=config.actor_rollout_ref.model.dtype, device=device)
@@ -81,6 +86,6 @@ def start_embedded_rollout(model_path: str, tokenizer: Any, config: Any, *, devi
     return EmbeddedRollout(engine, server, name)
 
 
-def served_model_name(config: Any) -> str:
+def served_model_name(config: AgentRLConfig) -> str:
     """The model name flows pass as `model=`: the configured path (the gateway routes any name anyway)."""
     return config.actor_rollout_ref.model.path

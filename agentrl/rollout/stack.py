@@ -7,15 +7,18 @@ each rollout's OpenAI client points at `{gateway}/sessions/{id}/v1`, and traces 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from agentrl.rollout.embedded_rollout import served_model_name
 from agentrl.rollout.gateway import Gateway
 from agentrl.rollout.pool import RolloutPool
 from agentrl.types import SamplingParams
 
+if TYPE_CHECKING:
+    from agentrl.config import AgentRLConfig
 
-def build_sampling_params(config: Any) -> tuple[SamplingParams, SamplingParams]:
+
+def build_sampling_params(config: AgentRLConfig) -> tuple[SamplingParams, SamplingParams]:
     """Train and validation sampling from `actor_rollout_ref.rollout` (and its `val_kwargs`)."""
     rollout = config.actor_rollout_ref.rollout
     max_tokens = config.data.max_response_length
@@ -42,7 +45,7 @@ class RolloutStack:
     """A `Gateway` over a pool of the policy's servers, configured from the run config and started on
     loopback; `backend` (the gateway) is what the collector opens sessions on."""
 
-    def __init__(self, server_urls: Sequence[str], config: Any, pad_token_id: int) -> None:
+    def __init__(self, server_urls: Sequence[str], config: AgentRLConfig, pad_token_id: int) -> None:
         self.model_name = served_model_name(config)
         self.pad_token_id = pad_token_id
         self.pool = RolloutPool(
@@ -67,5 +70,5 @@ class RolloutStack:
         self.backend.stop()
 
 
-def build_rollout_stack(server_urls: Sequence[str], config: Any, pad_token_id: int) -> RolloutStack:
+def build_rollout_stack(server_urls: Sequence[str], config: AgentRLConfig, pad_token_id: int) -> RolloutStack:
     return RolloutStack(server_urls, config, pad_token_id)

@@ -14,7 +14,7 @@ import asyncio
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from agentrl.rollout.backend import ProbeResult, probe_server
 from agentrl.rollout.embedded_rollout import served_model_name
 from agentrl.rollout.engines.vllm import VLLMServerGroup, launch_vllm_servers, save_weights_for_vllm
 from agentrl.rollout.pool import RolloutPool
+
+if TYPE_CHECKING:
+    from agentrl.config import AgentRLConfig
 
 _ADMIN_TIMEOUT = 300.0
 
@@ -101,7 +104,7 @@ def remove_old_weight_folders(weights_dir: Path, *, keep: str) -> list[Path]:
     return removed
 
 
-def build_vllm_extra_args(config: Any) -> list[str]:
+def build_vllm_extra_args(config: AgentRLConfig) -> list[str]:
     """`rollout.vllm.extra_args`, plus the flags the model config implies (tokenizer, remote code)."""
     model = config.actor_rollout_ref.model
     extra = list(config.actor_rollout_ref.rollout.vllm.extra_args)
@@ -117,7 +120,7 @@ def build_vllm_extra_args(config: Any) -> list[str]:
     return extra
 
 
-def start_vllm_rollout(model_path: str, config: Any, *, run_dir: Path) -> VLLMRollout:
+def start_vllm_rollout(model_path: str, config: AgentRLConfig, *, run_dir: Path) -> VLLMRollout:
     """Launch `rollout.num_servers` servers of `model_path` and wait until all are healthy."""
     rollout = config.actor_rollout_ref.rollout
     name = served_model_name(config)
