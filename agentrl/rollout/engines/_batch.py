@@ -48,17 +48,21 @@ def _left_pad_mask(mask: torch.Tensor, slots: int) -> torch.Tensor:
     return torch.cat([mask.new_zeros(mask.shape[0], missing), mask], dim=1)
 
 
-@torch.inference_mode()
-def prefill(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[PaddedBatch, torch.Tensor]:
-    """Run the prompts (left-padded together) through the model; return the batch and last logits (B, V)."""
-    device = next(model.parameters()).device
+def left_pad(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as one left-padded (B, L) id tensor and its (B, L) mask, on `device`."""
     slots = max(len(p) for p in prompts)
     input_ids = torch.zeros(len(prompts), slots, dtype=torch.long)
     mask = torch.zeros(len(prompts), slots, dtype=torch.long)
     for i, prompt in enumerate(prompts):
         input_ids[i, slots - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
         mask[i, slots - len(prompt) :] = 1
-    input_ids, mask = input_ids.to(device), mask.to(device)
+    return input_ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def prefill(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[PaddedBatch, torch.Tensor]:
+    """Run the prompts (left-padded together) through the model; return the batch and last logits (B, V)."""
+    input_ids, mask = left_pad(prompts, next(model.parameters()).device)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     out = model(
@@ -149,9 +153,12 @@ class DynamicBatch:
         return self._batch.slots if self._batch is not None else 0
 
     def admit(self, prompts: list[list[int]], copies: list[int], reserve: int) -> torch.Tensor:
-        batch, logits = prefill(self.model, prompts)
+        return self._join(*prefill(self.model, prompts), copies)
+
+    def _join(self, batch: PaddedBatch, logits: torch.Tensor, copies: list[int]) -> torch.Tensor:
+        """Add prefilled prompts as rows, prompt i `copies[i]` times; returns the rows' first logits."""
         expand = [i for i, c in enumerate(copies) for _ in range(c)]
-        if len(expand) != len(prompts):
+        if len(expand) != len(copies):
             batch = select_rows(batch, expand)
             logits = logits[torch.tensor(expand, device=logits.device)]
         self._batch = merge(self._batch, batch)

@@ -29,7 +29,7 @@ from agentrl.data.images import (
     load_image,
     resize_for_processor,
 )
-from agentrl.rollout.engines._batch import DynamicBatch, PaddedBatch, merge, select_rows
+from agentrl.rollout.engines._batch import DynamicBatch, PaddedBatch, left_pad
 
 IMAGE_PART_TYPES = ("image_url", "image")
 
@@ -126,16 +126,10 @@ def prefill_with_images(
     """`_batch.prefill` for rows of which some carry images: left-padded, pixels in row order, mrope
     positions; returns the batch (next position = largest position + 1) and last logits (B, V)."""
     device = next(model.parameters()).device
-    slots = max(len(p) for p in prompts)
-    input_ids = torch.zeros(len(prompts), slots, dtype=torch.long)
-    mask = torch.zeros(len(prompts), slots, dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        input_ids[i, slots - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        mask[i, slots - len(prompt) :] = 1
+    input_ids, mask = left_pad(prompts, device)
     present = [x for x in images if x is not None]
     grid = torch.cat([x.image_grid_thw for x in present]).to(device)
     pixels = torch.cat([x.pixel_values for x in present]).to(device)
-    input_ids, mask = input_ids.to(device), mask.to(device)
     positions = rope_positions(model, input_ids, mask, grid)
     out = model(
         input_ids=input_ids,
@@ -164,10 +158,4 @@ class ImageBatch(DynamicBatch):
     ) -> torch.Tensor:
         if not images or all(x is None for x in images):
             return super().admit(prompts, copies, reserve)
-        batch, logits = prefill_with_images(self.model, prompts, images)
-        expand = [i for i, c in enumerate(copies) for _ in range(c)]
-        if len(expand) != len(prompts):
-            batch = select_rows(batch, expand)
-            logits = logits[torch.tensor(expand, device=logits.device)]
-        self._batch = merge(self._batch, batch)
-        return logits
+        return self._join(*prefill_with_images(self.model, prompts, images), copies)
