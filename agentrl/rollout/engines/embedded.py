@@ -359,7 +359,10 @@ class EmbeddedEngine:
             seq.matcher = matcher
 
     def _constrain_rows(self, rows: list[Sequence], settings: list[RowSampling]) -> list[RowSampling]:
-        """Each constrained row's allowed-token bitmask; no work when no row is constrained."""
+        """Each constrained row's allowed-token bitmask. No work before the first constrained request
+        (`_grammars` is set before it is queued); after it, a scan of the rows (~5 us for 64)."""
+        if self._grammars is None:
+            return settings
         constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
         if not constrained:
             return settings
@@ -371,6 +374,8 @@ class EmbeddedEngine:
 
     def _advance_matchers(self, rows: list[Sequence], token_ids: list[int]) -> None:
         """Feed each constrained row its drawn token; a completed grammar ends the row ("stop")."""
+        if self._grammars is None:
+            return
         for seq, token in zip(rows, token_ids, strict=True):
             if seq.matcher is not None:
                 reason = advance(seq.matcher, token, self._grammars.eos_token_ids)
