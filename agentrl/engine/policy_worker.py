@@ -1,6 +1,6 @@
 """PolicyWorker: the actor, its optional reference, and the colocated rollout engine on one device.
 
-The hybrid engine: the worker trains the actor and serves the same policy from its rollout backend (the
+The hybrid engine: the worker trains the actor and serves the same policy through `rollout/serving` (the
 embedded engine or vLLM servers, `actor_rollout_ref.rollout.name`), syncing weights between phases and
 checking that the served weights are the ones it trained (`agentrl.engine.weight_sync`).
 
@@ -142,9 +142,9 @@ class PolicyWorker:
     # ---- rollout side -------------------------------------------------------------------------------
     def start_rollout(self) -> list[str]:
         """Start the rollout engine `rollout.name` names, sync the actor's weights to it; returns its URLs."""
-        from agentrl.rollout.backend import build_rollout_backend
+        from agentrl.rollout.serving import start_policy_serving
 
-        self.rollout = build_rollout_backend(
+        self.rollout = start_policy_serving(
             self.model_path, self.tokenizer, self.config, device=str(self.device)
         )
         self.sync_weights()

@@ -1,4 +1,4 @@
-"""Push the actor's weights to the rollout backend and verify that what is served is what was trained.
+"""Push the actor's weights to the policy serving (`rollout/serving`) and verify that what is served is what was trained.
 
 Two checks, strongest first:
 - fingerprint: the embedded engine hashes its served weights (`fingerprint_state_dict`); it must equal the
@@ -20,8 +20,8 @@ import torch
 
 from agentrl.engine.fsdp import compute_device
 from agentrl.engine.served_weights import iter_served_weights
-from agentrl.rollout.backend import ProbeResult, RolloutBackend
 from agentrl.rollout.engines._weights import Fingerprint
+from agentrl.rollout.serving import PolicyServing, ProbeResult
 
 PROBE_TEXT = "Weight sync check: 1 2 3 4"
 PROBE_MAX_TOKENS = 4
@@ -80,7 +80,7 @@ def check_probe(
 
 def sync_rollout_weights(
     actor: torch.nn.Module,
-    rollout: RolloutBackend,
+    rollout: PolicyServing,
     tokenizer: Any,
     *,
     dtypes: Sequence[str],

@@ -26,7 +26,7 @@ from agentrl.types import Episode, Step, Task, TerminationReason, Trace, Traject
 _RETRYABLE = (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError)
 
 
-class SessionBackend(Protocol):
+class SessionHost(Protocol):
     """What the collector needs from the gateway: sessions, and the traces recorded under them."""
 
     def open_session(self, session_id: str, mode: str, max_calls: int | None = None) -> str:
@@ -58,7 +58,7 @@ class RolloutCollector:
     """Runs rollouts through a gateway and returns one Episode per (task, sample)."""
 
     def __init__(
-        self, backend: SessionBackend, model_name: str, limits: CollectorLimits, *, in_process: bool = True
+        self, backend: SessionHost, model_name: str, limits: CollectorLimits, *, in_process: bool = True
     ) -> None:
         """`in_process=False` reaches a gateway this process serves over TCP too (for measurements)."""
         self.backend = backend

@@ -409,7 +409,7 @@ def stream_completion(body: dict[str, Any], include_usage: bool) -> Iterator[str
 
 
 class Gateway:
-    """The gateway served from a thread of this process: the collector's `SessionBackend`.
+    """The gateway served from a thread of this process: the collector's `SessionHost`.
 
     `open_session` registers a session and returns its OpenAI base URL; `session_traces` reads the
     traces straight from the in-process `TraceStore` (no HTTP); `close_session` forgets both the

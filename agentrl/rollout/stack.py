@@ -1,6 +1,6 @@
 """The rollout stack the controller talks to: a pool of servers behind a gateway, with its trace store.
 
-Its gateway is the collector's `SessionBackend`: sessions open in the trace store (train or validation sampling),
+Its gateway is the collector's `SessionHost`: sessions open in the trace store (train or validation sampling),
 each rollout's OpenAI client points at `{gateway}/sessions/{id}/v1`, and traces are read in-process.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from agentrl.rollout.embedded_rollout import served_model_name
 from agentrl.rollout.gateway import Gateway
 from agentrl.rollout.pool import RolloutPool
+from agentrl.rollout.serving.embedded import served_model_name
 from agentrl.types import SamplingParams
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""The rollout backend a policy worker owns: one interface over the embedded engine and vLLM servers.
+"""The interface a policy worker serves its policy through, over the embedded engine and vLLM servers.
 
 The worker pushes trained weights through it, checks what it serves, and frees its memory while training;
 the controller only sees its URLs (they go into the pool behind the gateway). Which engine is picked is
@@ -28,7 +28,7 @@ class ProbeResult(NamedTuple):
     logprobs: list[float]
 
 
-class RolloutBackend(Protocol):
+class PolicyServing(Protocol):
     """What a policy worker needs from the engine it generates with."""
 
     @property
@@ -54,19 +54,19 @@ class RolloutBackend(Protocol):
         """Stop every server and process the backend started."""
 
 
-def build_rollout_backend(
+def start_policy_serving(
     model_path: str, tokenizer: Any, config: AgentRLConfig, *, device: str
-) -> RolloutBackend:
+) -> PolicyServing:
     """Start the engine `actor_rollout_ref.rollout.name` names, serving the weights at `model_path`."""
     name = config.actor_rollout_ref.rollout.name
     if name == "embedded":
-        from agentrl.rollout.embedded_rollout import start_embedded_rollout
+        from agentrl.rollout.serving.embedded import start_embedded_serving
 
-        return start_embedded_rollout(model_path, tokenizer, config, device=device)
+        return start_embedded_serving(model_path, tokenizer, config, device=device)
     if name == "vllm":
-        from agentrl.rollout.vllm_rollout import start_vllm_rollout
+        from agentrl.rollout.serving.vllm import start_vllm_serving
 
-        return start_vllm_rollout(model_path, config, run_dir=Path(config.trainer.default_local_dir))
+        return start_vllm_serving(model_path, config, run_dir=Path(config.trainer.default_local_dir))
     raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is not an engine; use 'embedded' or 'vllm'")
 
 

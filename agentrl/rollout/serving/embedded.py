@@ -1,7 +1,7 @@
 """The colocated rollout of a policy worker: an embedded engine over its own copy of the policy, served over
 OpenAI-compatible HTTP on a free loopback port. The worker pushes trained weights into it between steps.
 
-`EmbeddedRollout` is the embedded side of `agentrl.rollout.backend.RolloutBackend`: weights are loaded in
+`EmbeddedServing` is the embedded side of `agentrl.rollout.backend.PolicyServing`: weights are loaded in
 process (no files), and the engine reports a fingerprint of what it serves.
 """
 
@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from agentrl.models import load_causal_lm
-from agentrl.rollout.backend import ProbeResult, probe_server
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.rollout.http_server import ServerHandle, start_server_in_thread
 from agentrl.rollout.server import build_server_app
+from agentrl.rollout.serving.base import ProbeResult, probe_server
 
 if TYPE_CHECKING:
     from agentrl.config import AgentRLConfig
 
 
 @dataclass
-class EmbeddedRollout:
+class EmbeddedServing:
     engine: EmbeddedEngine
     server: ServerHandle
     model_name: str = ""
@@ -57,9 +57,9 @@ class EmbeddedRollout:
         self.engine.close()
 
 
-def start_embedded_rollout(
+def start_embedded_serving(
     model_path: str, tokenizer: Any, config: AgentRLConfig, *, device: str
-) -> EmbeddedRollout:
+) -> EmbeddedServing:
     """Load the serving copy of the policy and start its server (`actor_rollout_ref.rollout.*`)."""
     rollout = config.actor_rollout_ref.rollout
     model = load_causal_lm(model_path, dtype=config.actor_rollout_ref.model.dtype, device=device)
@@ -83,7 +83,7 @@ def start_embedded_rollout(
     except Exception:
         engine.close()
         raise
-    return EmbeddedRollout(engine, server, name)
+    return EmbeddedServing(engine, server, name)
 
 
 def served_model_name(config: AgentRLConfig) -> str:

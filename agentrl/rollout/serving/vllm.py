@@ -1,6 +1,6 @@
 """Training with vLLM: the policy worker's rollout as `rollout.num_servers` vLLM OpenAI servers.
 
-The vLLM side of `agentrl.rollout.backend.RolloutBackend`. Servers are launched from the run's config
+The vLLM side of `agentrl.rollout.serving.PolicyServing`. Servers are launched from the run's config
 (`actor_rollout_ref.rollout.*`, `rollout.vllm.*`) with logs under `<run dir>/vllm_logs`. A weight push writes
 the full state dict to `<run dir>/vllm_weights/v<N>` and reloads it on every server through the pool's
 update route (`POST /collective_rpc reload_weights`, then `/reset_prefix_cache`); the push succeeds only
@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from agentrl.models import resolve_model_path
-from agentrl.rollout.backend import ProbeResult, probe_server
-from agentrl.rollout.embedded_rollout import served_model_name
 from agentrl.rollout.engines.vllm import VLLMServerGroup, launch_vllm_servers, save_weights_for_vllm
 from agentrl.rollout.pool import RolloutPool
+from agentrl.rollout.serving.base import ProbeResult, probe_server
+from agentrl.rollout.serving.embedded import served_model_name
 
 if TYPE_CHECKING:
     from agentrl.config import AgentRLConfig
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 _ADMIN_TIMEOUT = 300.0
 
 
-class VLLMRollout:
+class VLLMServing:
     """vLLM servers plus the admin pool that broadcasts weight reloads and sleep/wake to all of them."""
 
     def __init__(self, servers: VLLMServerGroup, *, model_name: str, weights_dir: Path) -> None:
@@ -120,7 +120,7 @@ def build_vllm_extra_args(config: AgentRLConfig) -> list[str]:
     return extra
 
 
-def start_vllm_rollout(model_path: str, config: AgentRLConfig, *, run_dir: Path) -> VLLMRollout:
+def start_vllm_serving(model_path: str, config: AgentRLConfig, *, run_dir: Path) -> VLLMServing:
     """Launch `rollout.num_servers` servers of `model_path` and wait until all are healthy."""
     rollout = config.actor_rollout_ref.rollout
     name = served_model_name(config)
@@ -130,4 +130,4 @@ def start_vllm_rollout(model_path: str, config: AgentRLConfig, *, run_dir: Path)
         max_num_seqs=rollout.max_num_seqs, extra_args=build_vllm_extra_args(config),
         startup_timeout=rollout.vllm.startup_timeout, log_dir=Path(run_dir) / "vllm_logs",
     )  # fmt: skip
-    return VLLMRollout(servers, model_name=name, weights_dir=Path(run_dir) / "vllm_weights")
+    return VLLMServing(servers, model_name=name, weights_dir=Path(run_dir) / "vllm_weights")

@@ -19,7 +19,7 @@ from agentrl.engine.assembly import episodes_to_rows, rows_to_batch
 from agentrl.engine.forward import compute_log_probs
 from agentrl.models import load_tokenizer, resolve_model_path
 from agentrl.rollout.collector import CollectorLimits, RolloutCollector
-from agentrl.rollout.embedded_rollout import start_embedded_rollout
+from agentrl.rollout.serving.embedded import start_embedded_serving
 from agentrl.rollout.stack import RolloutStack
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ def stack():
     )
     path = resolve_model_path(config.actor_rollout_ref.model.path)
     tokenizer = load_tokenizer(path)
-    rollout = start_embedded_rollout(path, tokenizer, config, device="cpu")
+    rollout = start_embedded_serving(path, tokenizer, config, device="cpu")
     stack = RolloutStack([rollout.url], config, tokenizer.pad_token_id)
     stack.rollout, stack.tokenizer = rollout, tokenizer
     try:

@@ -8,8 +8,8 @@ import torch
 from agentrl.config import load_config
 from agentrl.engine.assembly import TrainingRow, rows_to_batch
 from agentrl.engine.forward import compute_log_probs
-from agentrl.engine.served_weights import served_state_dict
 from agentrl.engine.policy_worker import PolicyWorker
+from agentrl.engine.served_weights import served_state_dict
 from agentrl.models import load_causal_lm
 from agentrl.rollout.engines.embedded import fingerprint_state_dict
 

@@ -1,4 +1,4 @@
-"""The embedded rollout backend through `build_rollout_backend`: URLs, pushes, fingerprint, and the probe
+"""The embedded rollout backend through `start_policy_serving`: URLs, pushes, fingerprint, and the probe
 (the check vLLM needs) answered by the embedded server in the same shape, matching the trainer's log-probs."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 from agentrl.config import load_config
 from agentrl.engine.weight_sync import check_probe
 from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
-from agentrl.rollout.backend import build_rollout_backend
 from agentrl.rollout.engines.embedded import fingerprint_state_dict
+from agentrl.rollout.serving import start_policy_serving
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def setup():
     config = load_config(["actor_rollout_ref.model.path=tiny:qwen2-mini"])
     path = resolve_model_path(config.actor_rollout_ref.model.path)
-    backend = build_rollout_backend(path, load_tokenizer(path), config, device="cpu")
+    backend = start_policy_serving(path, load_tokenizer(path), config, device="cpu")
     try:
         yield backend, load_causal_lm(path)
     finally:

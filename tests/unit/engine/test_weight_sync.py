@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentrl.engine.weight_sync import check_probe, max_logprob_gap, probe_tolerance, score_tokens
-from agentrl.rollout.backend import ProbeResult
+from agentrl.rollout.serving import ProbeResult
 
 
 class BigramLM(torch.nn.Module):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agentrl.config import load_config
-from agentrl.rollout.vllm_rollout import build_vllm_extra_args, remove_old_weight_folders
+from agentrl.rollout.serving.vllm import build_vllm_extra_args, remove_old_weight_folders
 
 
 def test_remove_old_weight_folders_keeps_only_the_latest_and_foreign_files(tmp_path):
