@@ -1,7 +1,7 @@
 """The colocated rollout of a policy worker: an embedded engine over its own copy of the policy, served over
 OpenAI-compatible HTTP on a free loopback port. The worker pushes trained weights into it between steps.
 
-`EmbeddedServing` is the embedded side of `agentrl.rollout.backend.PolicyServing`: weights are loaded in
+`EmbeddedServing` is the embedded side of `agentrl.rollout.serving.PolicyServing`: weights are loaded in
 process (no files), and the engine reports a fingerprint of what it serves.
 """
 
