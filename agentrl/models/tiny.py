@@ -85,6 +85,15 @@ _QWEN25_SHAPE = {
     "tie_word_embeddings": True,
     "initializer_range": 0.02,
 }
+# Qwen2.5-1.5B's language model; Qwen2-VL-2B's is the same.
+_QWEN25_1P5B_TEXT = {
+    **_QWEN25_SHAPE,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+}
 
 PRESETS: dict[str, TinyPreset] = {
     "qwen2": TinyPreset(name="qwen2", text=_QWEN2_TEXT),
@@ -101,14 +110,7 @@ PRESETS: dict[str, TinyPreset] = {
     ),
     "qwen2.5-1.5b-shape": TinyPreset(
         name="qwen2.5-1.5b-shape",
-        text={
-            **_QWEN25_SHAPE,
-            "hidden_size": 1536,
-            "intermediate_size": 8960,
-            "num_hidden_layers": 28,
-            "num_attention_heads": 12,
-            "num_key_value_heads": 2,
-        },
+        text=_QWEN25_1P5B_TEXT,
     ),
     "qwen2-mini": TinyPreset(
         name="qwen2-mini",
@@ -134,14 +136,7 @@ PRESETS: dict[str, TinyPreset] = {
     # tokenizer: the VLM cookbook's GPU run (docs/vlm.md). Images up to 448x448 pixels (256 tokens).
     "qwen2-vl-2b-shape": TinyPreset(
         name="qwen2-vl-2b-shape",
-        text={
-            **_QWEN25_SHAPE,
-            "hidden_size": 1536,
-            "intermediate_size": 8960,
-            "num_hidden_layers": 28,
-            "num_attention_heads": 12,
-            "num_key_value_heads": 2,
-        },
+        text=_QWEN25_1P5B_TEXT,
         vision={
             "depth": 32,
             "embed_dim": 1280,
