@@ -208,7 +208,7 @@ class TrainerConfig(_Section):
     """Folder for every step's episodes as JSONL (docs/rollouts.md); null is `<default_local_dir>/rollouts`."""
     rollout_data_fraction: float = Field(1.0, ge=0.0, le=1.0)
     """Share of each step's episodes saved (picked by episode id, the same on a rerun); 0 saves none."""
-    rollout_trace_freq: int = 10
+    rollout_trace_freq: int = 25
     """With the mlflow logger, log the saved episodes of every N-th step and of the last step as MLflow traces; -1 never."""
     project_name: str = Field("agentrl", min_length=1)
     """Project (MLflow experiment) name."""

@@ -145,7 +145,7 @@ def test_mlflow_search_traces_returns_the_last_steps_episodes(mlflow_run):
             filter_string="tags.`agentrl.step` = '2' AND tags.`agentrl.split` = 'train'",
             return_type="list",
         )
-        # trainer.rollout_trace_freq=10: of steps 1 and 2 only the last is traced.
+        # trainer.rollout_trace_freq=25: of steps 1 and 2 only the last is traced.
         not_traced = mlflow.search_traces(
             locations=[experiment.experiment_id],
             filter_string="tags.`agentrl.step` = '1'",
