@@ -62,6 +62,30 @@ def load_whole(model: torch.nn.Module, folder: Path) -> None:
         )
 
 
+def save_frozen(model: torch.nn.Module, folder: Path) -> None:
+    """A model without an optimizer (the reference policy): HF format from one process, DCP shards under FSDP2."""
+    if not is_sharded(model):
+        save_whole(model, Path(folder))
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(folder))
+
+
+def load_frozen(model: torch.nn.Module, folder: Path) -> None:
+    """Load what `save_frozen` wrote."""
+    if not is_sharded(model):
+        load_whole(model, Path(folder))
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(model, state["model"])
+
+
 def save_full_weights(model: torch.nn.Module, tokenizer: Any, folder: Path) -> None:
     """One Hugging Face folder of the served weights (LoRA merged), gathered from shards; rank 0 writes it."""
     from safetensors.torch import save_file

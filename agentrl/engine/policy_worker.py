@@ -26,7 +26,7 @@ from agentrl.engine.assembly import TrainBatch
 from agentrl.engine.forward import compute_log_probs
 from agentrl.engine.fsdp import compute_device, shard_model
 from agentrl.engine.lora import adapters_disabled, apply_lora, is_lora_model
-from agentrl.engine.model_state import load_model, save_full_weights, save_model
+from agentrl.engine.model_state import load_frozen, load_model, save_frozen, save_full_weights, save_model
 from agentrl.engine.optim import build_lr_scheduler, build_optimizer
 from agentrl.engine.ppo_update import run_ppo_updates
 from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
@@ -60,6 +60,7 @@ class PolicyWorker:
         self.actor = self._load_policy(trainable=True, offload=arr.actor.fsdp_config.param_offload)
         self.needs_ref = arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward
         self.ref = None
+        self.ref_warm_started = False  # then checkpoints carry the reference: it no longer equals model.path
         if self.needs_ref and not is_lora_model(self.actor):
             # Loaded from its path (never a copy of a sharded module); a warm start copies the actor in.
             self.ref = self._load_policy(trainable=False, offload=arr.ref.fsdp_config.param_offload)
@@ -137,6 +138,7 @@ class PolicyWorker:
             with torch.no_grad():  # same architecture and sharding: copy shard by shard
                 for ref_param, param in zip(self.ref.parameters(), self.actor.parameters(), strict=True):
                     ref_param.copy_(param)
+            self.ref_warm_started = True
         return metrics
 
     # ---- rollout side -------------------------------------------------------------------------------
@@ -289,6 +291,8 @@ class PolicyWorker:
             state["optimizer"] = self.optimizer.state_dict()
         if rank == 0:
             torch.save(state, folder / "actor_optim.pt")
+        if self.ref is not None and self.ref_warm_started:
+            save_frozen(self.ref, folder / self._ref_folder_name())
 
     def load(self, folder: Path) -> None:
         folder = Path(folder)
@@ -298,6 +302,13 @@ class PolicyWorker:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.generator.set_state(state["generator"])
+        ref_folder = folder / self._ref_folder_name()
+        if self.ref is not None and ref_folder.exists():  # the warm-started reference, not model.path's
+            load_frozen(self.ref, ref_folder)
+            self.ref_warm_started = True
+
+    def _ref_folder_name(self) -> str:
+        return "ref_dcp" if self.sharded else "ref"
 
     def export(self, folder: Path) -> None:
         if self.sharded:
