@@ -40,6 +40,16 @@ class TrainResult:
     checkpoint_dir: Path | None = None
     export_dir: Path | None = None
 
+    def summary_lines(self) -> list[str]:
+        """What a training script prints at the end: steps and run folder, then held-out accuracy A -> B
+        (validation after the warm start, before the first step, and after the last step) when both exist."""
+        lines = [f"trained {self.global_step} steps; run folder {self.run_dir}"]
+        before = self.initial_val_metrics.get("val/accuracy")
+        after = self.metrics.get("val/accuracy")
+        if before is not None and after is not None:
+            lines.append(f"held-out accuracy {before:.3f} -> {after:.3f}")
+        return lines
+
 
 def resolve_config(config: AgentRLConfig | Sequence[str] | None) -> AgentRLConfig:
     """An AgentRLConfig from an instance, a list of Hydra overrides, or None (the defaults)."""

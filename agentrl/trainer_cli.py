@@ -118,11 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agentrl: {exc}", file=sys.stderr)
         return 2
     result = trainer.train()
-    before = result.initial_val_metrics.get("val/accuracy")
-    after = result.metrics.get("val/accuracy")
-    print(f"agentrl: trained {result.global_step} steps; run folder {result.run_dir}")
-    if before is not None and after is not None:
-        print(f"agentrl: held-out accuracy {before:.3f} -> {after:.3f}")
+    for line in result.summary_lines():
+        print(f"agentrl: {line}")
     return 0
 
 

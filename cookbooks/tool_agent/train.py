@@ -54,11 +54,7 @@ def main(argv: list[str]) -> int:
     # 3. GRPO: data.train_files tasks, ToolAgentFlow, ToolAnswerEvaluator; metrics and checkpoints in run_dir.
     result = AgentTrainer(flow=flow, evaluator=evaluator, config=config).train()
     # 4. Report: validation accuracy before the first GRPO step (after the warm start) and after the last one.
-    before = result.initial_val_metrics.get("val/accuracy")
-    after = result.metrics.get("val/accuracy")
-    print(f"trained {result.global_step} steps; run folder: {result.run_dir}")
-    if before is not None and after is not None:
-        print(f"held-out accuracy {before:.3f} -> {after:.3f}")
+    print("\n".join(result.summary_lines()))
     return 0
 
 

@@ -113,3 +113,21 @@ def test_a_model_path_that_names_nothing_is_a_config_error(tmp_path):
 def test_loading_a_missing_model_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file or folder"):
         load_tokenizer(str(tmp_path / "nothing"))
+
+
+def test_summary_lines_report_held_out_accuracy_only_when_measured(tmp_path):
+    from agentrl.trainer import TrainResult
+
+    done = TrainResult(
+        run_dir=tmp_path,
+        global_step=3,
+        metrics={"val/accuracy": 0.5},
+        initial_val_metrics={"val/accuracy": 0.25},
+    )
+    assert done.summary_lines() == [
+        f"trained 3 steps; run folder {tmp_path}",
+        "held-out accuracy 0.250 -> 0.500",
+    ]
+    assert TrainResult(run_dir=tmp_path, global_step=3).summary_lines() == [
+        f"trained 3 steps; run folder {tmp_path}"
+    ]
