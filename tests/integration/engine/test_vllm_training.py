@@ -1,5 +1,6 @@
 """GRPO through `AgentTrainer` with `actor_rollout_ref.rollout.name=vllm`: vLLM CPU servers generate, the
-trainer pushes its weights into them after every step, and nothing of vLLM outlives the run.
+trainer pushes its weights into them after every step, and nothing of vLLM outlives the run; with the local
+backend and with the policy worker in a Ray actor (`trainer.backend=ray`).
 
 `rollout/logprob_diff_max` compares the log-probs vLLM reported while generating with the trainer's own
 for the same tokens: with float32 on both sides it is ~1e-6 when vLLM serves the trainer's weights, while
@@ -56,7 +57,9 @@ def _processes_with_env(marker: str) -> list[int]:
     return pids
 
 
-def test_grpo_generates_with_vllm_serving_the_trained_weights(tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_grpo_generates_with_vllm_serving_the_trained_weights(tmp_path, monkeypatch, backend):
+    """Also under `trainer.backend=ray`: the policy worker is a Ray actor that launches and feeds vLLM itself."""
     if not VLLM_PYTHON.exists():
         pytest.skip(f"{VLLM_PYTHON} missing: build the vLLM environment with `make setup-vllm`")
     marker = f"AGENTRL_VLLM_TRAINING_TEST={uuid.uuid4().hex}"
@@ -79,6 +82,7 @@ def test_grpo_generates_with_vllm_serving_the_trained_weights(tmp_path, monkeypa
         "trainer.val_before_train=false",
         "trainer.logger=[console]",
         f"trainer.default_local_dir={tmp_path}",
+        f"trainer.backend={backend}",
     ]
 
     result = AgentTrainer(
