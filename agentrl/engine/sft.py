@@ -16,8 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from agentrl.data.images import build_image_messages, has_image_parts, load_image_processor
+from agentrl.engine.distributed import all_reduce_sum, is_distributed, world_size
 from agentrl.engine.optim import build_optimizer
 from agentrl.rollout.chat import render_chat
 from agentrl.rollout.engines.vision import build_image_prompt, collect_image_refs
@@ -78,24 +80,55 @@ def run_sft(
     batches = batches[: sft.max_steps] if sft.max_steps is not None else batches
     model.train()
     losses: list[float] = []
+    rows_here = 0
     with progress_bar("sft", len(batches)) as bar:
         for batch in batches:
-            input_ids, labels, attention = _pad([examples[i][:2] for i in batch], pad_token_id)
+            mine, weight = _share_of(batch)
+            input_ids, labels, attention = _pad([examples[i][:2] for i in mine], pad_token_id)
             out = model(
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),
                 labels=labels.to(device),
                 use_cache=False,
-                **_pixels([examples[i][2] for i in batch], input_ids.to(device), model),
+                **_pixels([examples[i][2] for i in mine], input_ids.to(device), model),
             )
             optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
+            loss, scale = _global_mean(out.loss, labels, weight)
+            (out.loss * scale).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
-            losses.append(out.loss.item())
+            losses.append(loss)
+            rows_here += len(mine) if weight else 0
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    return _summary(losses, len(losses))
+    return {**_summary(losses, len(losses)), "sft/rows_on_rank0": float(rows_here)}
+
+
+def _share_of(batch: list[int]) -> tuple[list[int], float]:
+    """This rank's rows of a global SFT batch (every rank's share, one pass over the batch between them).
+
+    A rank left without rows (a batch smaller than the group) runs one row at weight 0, so the FSDP
+    collectives of its forward and backward still meet the other ranks'.
+    """
+    if not is_distributed():
+        return batch, 1.0
+    mine = batch[dist.get_rank() :: world_size()]
+    return (mine, 1.0) if mine else (batch[:1], 0.0)
+
+
+def _global_mean(local_mean: torch.Tensor, labels: torch.Tensor, weight: float) -> tuple[float, float]:
+    """The batch's token-mean loss over all ranks, and the factor that makes this rank's gradient its share.
+
+    Each rank's loss is a mean over its own target tokens; FSDP averages gradients over ranks. Scaling by
+    world x local tokens / global tokens makes the average the gradient of the one global token mean, as one
+    process computes it on the whole batch.
+    """
+    if not is_distributed():
+        return local_mean.item(), 1.0
+    tokens = float((labels[:, 1:] != -100).sum()) * weight
+    total = all_reduce_sum(tokens)
+    loss_sum = all_reduce_sum(local_mean.item() * tokens)
+    return loss_sum / max(total, 1.0), world_size() * tokens / max(total, 1.0)
 
 
 def _pixels(images: list[Any], input_ids: torch.Tensor, model: torch.nn.Module) -> dict[str, torch.Tensor]:

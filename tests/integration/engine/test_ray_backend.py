@@ -70,7 +70,9 @@ def _ray_processes() -> list[str]:
 
 def test_two_ray_workers_match_the_local_backend(tmp_path, warm_model):
     local = _train(*_overrides(tmp_path / "local", warm_model))
-    ray = _train(*_overrides(tmp_path / "ray", warm_model, "trainer.backend=ray", "trainer.n_gpus_per_node=2"))
+    ray = _train(
+        *_overrides(tmp_path / "ray", warm_model, "trainer.backend=ray", "trainer.n_gpus_per_node=2")
+    )
     assert 0 < local.metrics["critic/full-score/mean"] < 1, "the warm model should solve some, not all"
     for key in ("critic/full-score/mean", "response_length/mean", "batch/rows"):
         assert ray.metrics[key] == local.metrics[key], key
@@ -100,7 +102,9 @@ def test_a_ray_run_resumes_after_a_kill(tmp_path, warm_model):
         time.sleep(1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)  # what a user does after kill -9
+    subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True
+    )  # what a user does after kill -9
     resumed = subprocess.run(command, cwd=tmp_path, timeout=600)
     assert resumed.returncode == 0
     steps = [row["training/global_step"] for row in _history(run_dir) if "training/global_step" in row]
@@ -131,4 +135,30 @@ def test_a_dead_ray_worker_is_a_clear_error_not_a_hang(tmp_path, warm_model):
         assert time.time() - start < 60
     finally:
         controller.close()
+    assert not _ray_processes()
+
+
+def test_the_warm_start_is_split_over_ray_workers_and_matches_the_local_one(tmp_path, caplog):
+    """Each of 2 ranks trains on half of every SFT batch, and the loss is normalised over the whole batch, so the
+    warm-started weights equal the one-process warm start (fp32 on CPU)."""
+    import ast
+    import logging
+
+    from safetensors.torch import load_file
+
+    warm = ("sft.enable=true", "sft.max_steps=6", "actor_rollout_ref.actor.optim.lr=1e-12")
+    sft, runs = {}, {}
+    for name, extra in (("local", ()), ("ray", ("trainer.backend=ray", "trainer.n_gpus_per_node=2"))):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="agentrl"):
+            runs[name] = _train(*_overrides(tmp_path / name, "tiny:qwen2", *warm, *extra))
+        line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("warm start: "))
+        sft[name] = ast.literal_eval(line[len("warm start: ") :])
+    # 6 batches of the 115 training rows (32, 32, 32, 19, 32, 32): rank 0 takes every other row of each.
+    assert sft["local"]["sft/rows_on_rank0"] == 179 and sft["ray"]["sft/rows_on_rank0"] == 90
+    assert sft["ray"]["sft/final_loss"] == pytest.approx(sft["local"]["sft/final_loss"], rel=1e-4)
+    a = load_file(runs["local"].export_dir / "model.safetensors")
+    b = load_file(runs["ray"].export_dir / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
     assert not _ray_processes()
