@@ -60,11 +60,13 @@ def roofline_ms(model: torch.nn.Module, rows: int, length: int, bandwidth: float
     return 1000 * (weights + rows * length * KVShape.of(model).bytes_per_token()) / bandwidth
 
 
-def engine_throughput(model, tokenizer, args, cuda_graphs: bool) -> dict[str, float]:
+def engine_throughput(
+    model, tokenizer, args, cuda_graphs: bool, compile_decode: bool = False
+) -> dict[str, float]:
     n = args.sequences // 16
     engine = EmbeddedEngine(
         model, tokenizer, max_num_seqs=args.sequences, max_model_len=args.prompt_len + args.max_tokens + 8,
-        cuda_graphs=cuda_graphs,
+        cuda_graphs=cuda_graphs, compile_decode=compile_decode,
     )  # fmt: skip
     prompts = [[(13 * p + 7 * i) % 1000 + 10 for i in range(args.prompt_len)] for p in range(16)]
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=n, ignore_eos=True, seed=1)
@@ -97,6 +99,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM HBM3)")
     parser.add_argument("--skip-dynamic", action="store_true")
+    parser.add_argument("--skip-compile", action="store_true")
     args = parser.parse_args()
     device = torch.device(args.device)
     model = load_causal_lm(args.model, dtype=args.dtype, device=args.device).eval()
@@ -106,12 +109,18 @@ def main() -> None:
         "slot+graphs": lambda: SlotBatch(
             model, max_slots=max(args.batches), max_model_len=4096, cuda_graphs=True
         ),
+        "slot+compile": lambda: SlotBatch(
+            model, max_slots=max(args.batches), max_model_len=4096, cuda_graphs=True, compile_decode=True
+        ),
         "slot-eager": lambda: SlotBatch(
             model, max_slots=max(args.batches), max_model_len=4096, cuda_graphs=False
         ),
     }
     if device.type != "cuda":
         paths.pop("slot+graphs")
+        paths.pop("slot+compile")
+    if args.skip_compile:
+        paths.pop("slot+compile", None)
     if not args.skip_dynamic:
         paths["dynamic"] = lambda: DynamicBatch(model)
     print(f"model {args.model} {args.dtype} on {device}; prompt {args.prompt_len} tokens; ms per decode step")
@@ -136,6 +145,8 @@ def main() -> None:
     engine = {"graphs": engine_throughput(model, tokenizer, args, cuda_graphs=True)}
     if device.type == "cuda":
         engine["eager"] = engine_throughput(model, tokenizer, args, cuda_graphs=False)
+        if not args.skip_compile:
+            engine["graphs+compile"] = engine_throughput(model, tokenizer, args, True, compile_decode=True)
     print(f"engine, {args.sequences} x {args.max_tokens} tokens sampled: {json.dumps(engine)}")
     print(json.dumps({"decode_ms": results, "engine": engine}))
 

@@ -28,9 +28,14 @@ def model():
     return load_causal_lm(SHAPE, dtype="float32", device="cuda").eval()
 
 
-def _generate(model, cuda_graphs: bool):
+def _generate(model, cuda_graphs: bool, compile_decode: bool = False):
     engine = EmbeddedEngine(
-        model, load_tokenizer(SHAPE), max_num_seqs=32, max_model_len=512, cuda_graphs=cuda_graphs
+        model,
+        load_tokenizer(SHAPE),
+        max_num_seqs=32,
+        max_model_len=512,
+        cuda_graphs=cuda_graphs,
+        compile_decode=compile_decode,
     )
     prompts = [[(17 * p + 5 * i) % 5000 + 10 for i in range(20 + 7 * p)] for p in range(8)]
     params = SamplingParams(temperature=1.0, max_tokens=48, n=4, seed=3, ignore_eos=True)
@@ -44,8 +49,9 @@ def _generate(model, cuda_graphs: bool):
         engine.close()
 
 
-def test_graph_decoding_logprobs_equal_teacher_forcing_and_eager_tokens(model):
-    prompts, with_graphs = _generate(model, cuda_graphs=True)
+@pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled-graphs"])
+def test_graph_decoding_logprobs_equal_teacher_forcing_and_eager_tokens(model, compile_decode):
+    prompts, with_graphs = _generate(model, cuda_graphs=True, compile_decode=compile_decode)
     _, eager = _generate(model, cuda_graphs=False)
     worst = 0.0
     for prompt, outs, eager_outs in zip(prompts, with_graphs, eager, strict=True):

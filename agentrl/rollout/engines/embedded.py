@@ -83,9 +83,11 @@ class EmbeddedEngine:
         max_model_len: int | None = None,
         image_processor: Any = None,
         cuda_graphs: bool = True,
+        compile_decode: bool = False,
     ) -> None:
         """`image_processor`: a vision-language model's (loaded from the model's folder when None).
-        `cuda_graphs=False` decodes eagerly (verl's `enforce_eager`); it only matters on CUDA."""
+        `cuda_graphs=False` decodes eagerly (verl's `enforce_eager`); it only matters on CUDA.
+        `compile_decode`: the slot path's decode step goes through torch.compile before its graphs are captured."""
         self.model = model.eval()
         self.image_processor = image_processor
         if image_processor is None and is_vision_language(model):
@@ -103,7 +105,7 @@ class EmbeddedEngine:
         self._cond = threading.Condition()
         self._waiting: deque[tuple[Request, list[Sequence]]] = deque()
         self._rows: list[Sequence] = []
-        self._batch = self._build_batch(cuda_graphs)
+        self._batch = self._build_batch(cuda_graphs, compile_decode)
         self._asleep = False
         self._closed = False
         self._admin_waiting = 0
@@ -115,7 +117,7 @@ class EmbeddedEngine:
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
         self._thread.start()
 
-    def _build_batch(self, cuda_graphs: bool) -> SlotBatch | DynamicBatch:
+    def _build_batch(self, cuda_graphs: bool, compile_decode: bool) -> SlotBatch | DynamicBatch:
         if self.image_processor is not None:
             return ImageBatch(self.model)
         reason = slot_decode_unsupported(self.model)
@@ -123,7 +125,11 @@ class EmbeddedEngine:
             logger.info("embedded engine: DynamicCache decoding (%s)", reason)
             return DynamicBatch(self.model)
         return SlotBatch(
-            self.model, max_slots=self.max_num_seqs, max_model_len=self.max_model_len, cuda_graphs=cuda_graphs
+            self.model,
+            max_slots=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            cuda_graphs=cuda_graphs,
+            compile_decode=compile_decode,
         )
 
     # ----- generation -------------------------------------------------------------------------
