@@ -178,6 +178,8 @@ class RolloutConfig(_Section):
     """Fraction of device memory vLLM may use."""
     enforce_eager: bool = False
     """Decode without CUDA graphs (the embedded engine captures one per batch bucket on CUDA)."""
+    compile_decode: bool = True
+    """torch.compile the embedded engine's decode step before capturing its CUDA graphs (fuses its small kernels; compiles once, at the first step; falls back to the plain step if compilation fails)."""
     free_cache_engine: bool = True
     """Free the engine's KV cache while training (hybrid engine sleep/wake)."""
     num_servers: int = Field(1, ge=1)

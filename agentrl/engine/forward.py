@@ -3,15 +3,36 @@
 Position t of every output refers to token t: log p(token t | tokens < t) comes from the logits at t - 1,
 and the value of token t is the critic's estimate of the state before it (its output at t - 1). Position 0
 has no prediction and holds 0; it is never a response token.
+
+Log-probs and entropy are computed inside the model's output head, on response tokens only, a chunk of
+tokens at a time, each chunk under activation checkpointing: the (B, L, V) logits are never materialised, in
+the compute dtype or in float32 (for a 151,936-token vocabulary, 16 rows x 400 tokens of float32 logits are
+3.9 GB, and their softmax and gradient as much again). Prompt and padding positions, which no loss reads,
+cost nothing and hold 0. The head's forward is swapped for the duration of the call (not its module), so
+FSDP sees the usual forward and its hooks gather and free the head's weight as they always do. Models whose
+forward changes the logits after the head (soft-capping, logit scales) keep the whole-logits path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from agentrl.algorithms.losses import compute_entropy_from_logits, compute_token_log_probs
 from agentrl.engine.assembly import TrainBatch
 from agentrl.engine.fsdp import compute_device
+
+CHUNK_ELEMENTS = 1 << 27
+"""Float32 logits per chunk (512 MiB): 883 tokens of a 151,936-token vocabulary."""
+_LOGIT_POSTPROCESSING = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier_scale",
+)
 
 
 def _shift_right(values: torch.Tensor) -> torch.Tensor:
@@ -22,16 +43,91 @@ def _shift_right(values: torch.Tensor) -> torch.Tensor:
 def compute_log_probs(
     model: torch.nn.Module, batch: TrainBatch, *, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, L) log-probs of each token under `model`, and (B, L) entropies when asked."""
+    """(B, L) log-probs of each response token under `model`, and (B, L) entropies when asked.
+
+    Positions outside `batch.response_mask` hold 0 on the chunked path (every loss masks them out).
+    """
     device = compute_device(model)
     input_ids = batch.input_ids.to(device)
     attention = batch.attention_mask.to(device)
     images = _image_inputs(model, batch, input_ids)
-    logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False, **images).logits[:, :-1]
-    logits = logits.float()
-    log_probs = _shift_right(compute_token_log_probs(logits, input_ids[:, 1:]))
-    entropy = _shift_right(compute_entropy_from_logits(logits)) if with_entropy else None
-    return log_probs, entropy
+    head = _chunkable_head(model)
+    if head is None:
+        logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False, **images).logits
+        logits = logits[:, :-1].float()
+        log_probs = _shift_right(compute_token_log_probs(logits, input_ids[:, 1:]))
+        entropy = _shift_right(compute_entropy_from_logits(logits)) if with_entropy else None
+        return log_probs, entropy
+    wanted = batch.response_mask.to(device).bool()[:, 1:]
+    with _token_head(head, input_ids[:, 1:], wanted, with_entropy):
+        out = model(input_ids=input_ids, attention_mask=attention, use_cache=False, **images).logits
+    log_probs = _shift_right(out[..., 0])
+    return log_probs, _shift_right(out[..., 1]) if with_entropy else None
+
+
+def _chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The output head when the model returns its output as the logits (so the chunked path is exact)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear:  # a LoRA-wrapped or custom head: whole logits
+        return None
+    config = getattr(model, "config", None)
+    configs = [config, getattr(config, "text_config", None)]
+    for cfg in (c for c in configs if c is not None):
+        if any(getattr(cfg, name, None) not in (None, 1, 1.0) for name in _LOGIT_POSTPROCESSING):
+            return None
+    return head
+
+
+@contextmanager
+def _token_head(
+    head: torch.nn.Linear, targets: torch.Tensor, wanted: torch.Tensor, with_entropy: bool
+) -> Iterator[None]:
+    """Make `head` return, for hidden states (B, L, H), a (B, L-1, 2) tensor of [log-prob, entropy] per token.
+
+    `targets` (B, L-1): the token each position predicts; `wanted` (B, L-1) bool: the positions to compute.
+    """
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden[:, :-1]
+        rows, cols = wanted.nonzero(as_tuple=True)
+        if (
+            rows.numel() == 0
+        ):  # nothing to train on: one position keeps the graph (and FSDP's hooks) connected
+            rows, cols = rows.new_zeros(1), cols.new_zeros(1)
+        picked = hidden[rows, cols]
+        ids = targets[rows, cols]
+        chunk = max(1, CHUNK_ELEMENTS // head.weight.shape[0])
+        grad = torch.is_grad_enabled()
+        parts = [
+            checkpoint(_token_stats, h, head.weight, head.bias, t, with_entropy, use_reentrant=False)
+            if grad
+            else _token_stats(h, head.weight, head.bias, t, with_entropy)
+            for h, t in zip(picked.split(chunk), ids.split(chunk), strict=True)
+        ]
+        stats = torch.cat(parts)
+        out = hidden.new_zeros(*hidden.shape[:2], 2, dtype=torch.float32)
+        keep = wanted[rows, cols].unsqueeze(1).to(stats.dtype)  # 0 for the placeholder position
+        return out.index_put((rows, cols), stats * keep)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _token_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ids: torch.Tensor,
+    with_entropy: bool,
+) -> torch.Tensor:
+    """(N, 2) float32 [log p(ids), entropy] from N hidden states: one chunk's logits, freed after use."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    log_probs = compute_token_log_probs(logits, ids)
+    entropy = compute_entropy_from_logits(logits) if with_entropy else torch.zeros_like(log_probs)
+    return torch.stack([log_probs, entropy], dim=1)
 
 
 def _image_inputs(

@@ -147,10 +147,28 @@ class PolicyWorker:
         from agentrl.rollout.serving import start_policy_serving
 
         self.rollout = start_policy_serving(
-            self.model_path, self.tokenizer, self.config, device=str(self.device)
+            self.model_path,
+            self.tokenizer,
+            self.config,
+            device=str(self.device),
+            policy=self.actor if self._engine_can_share_actor() else None,
         )
         self.sync_weights()
         return self.rollout.urls
+
+    def _engine_can_share_actor(self) -> bool:
+        """Whether the embedded engine can serve the actor module itself (no second copy, nothing to copy after
+        an update): a whole module (not FSDP shards, not offloaded), without LoRA (the engine serves merged
+        adapters), whose weights are in the served dtype on this device."""
+        arr = self.config.actor_rollout_ref
+        param = next(self.actor.parameters())
+        return (
+            arr.rollout.name == "embedded"
+            and not self.sharded
+            and not is_lora_model(self.actor)
+            and param.dtype == _DTYPES[arr.model.dtype]
+            and param.device.type == self.device.type
+        )
 
     def sync_weights(self) -> dict[str, float]:
         """Push the actor's weights to the engine and verify it serves them (fingerprint or probe)."""
@@ -165,6 +183,14 @@ class PolicyWorker:
             dtypes=(arr.model.dtype, served_dtype),
             served_dtype=_DTYPES.get(served_dtype),
         )
+
+    def engine_busy_seconds(self) -> dict[str, float]:
+        """The embedded engine's cumulative prefill, decode and host seconds (`EmbeddedEngine.stats`); {} for
+        vLLM, whose servers keep their own metrics."""
+        engine = getattr(self.rollout, "engine", None)
+        if engine is None:
+            return {}
+        return {k[len("busy_") :]: v for k, v in engine.stats().items() if k.startswith("busy_")}
 
     def sleep_rollout(self) -> None:
         if self.rollout is not None and self.config.actor_rollout_ref.rollout.free_cache_engine:

@@ -173,13 +173,29 @@ class SlotBatch:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._step(bucket)
+                self._warm_up(bucket)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._graph_pool):
                 logits = self._step(bucket)
             self._graphs[bucket] = (graph, logits)
         return self._graphs[bucket]
+
+    def _warm_up(self, bucket: int) -> None:
+        """One step outside capture (it compiles the step the first time); a failed compilation falls back to
+        the plain step, loudly, so a machine without a working Triton still decodes under graphs."""
+        try:
+            self._step(bucket)
+        except Exception:
+            if self._decode_step is decode_step:
+                raise
+            logger.warning(
+                "embedded engine: torch.compile of the decode step failed; decoding with the plain step "
+                "(set actor_rollout_ref.rollout.compile_decode=false to skip compiling)",
+                exc_info=True,
+            )
+            self._decode_step = decode_step
+            self._step(bucket)
 
     # ----- memory ----------------------------------------------------------------------------------
     def _ensure_length(self, needed: int) -> None:

@@ -84,11 +84,15 @@ class EmbeddedEngine:
         image_processor: Any = None,
         cuda_graphs: bool = True,
         compile_decode: bool = False,
+        owns_weights: bool = True,
     ) -> None:
         """`image_processor`: a vision-language model's (loaded from the model's folder when None).
         `cuda_graphs=False` decodes eagerly (verl's `enforce_eager`); it only matters on CUDA.
-        `compile_decode`: the slot path's decode step goes through torch.compile before its graphs are captured."""
+        `compile_decode`: the slot path's decode step goes through torch.compile before its graphs are captured.
+        `owns_weights=False`: `model` is the trainer's own module (the hybrid engine shares one copy of the
+        weights): sleep frees only the KV cache, and the weights stay where training needs them."""
         self.model = model.eval()
+        self.owns_weights = owns_weights
         self.image_processor = image_processor
         if image_processor is None and is_vision_language(model):
             self.image_processor = load_image_processor(model.name_or_path)
@@ -112,6 +116,9 @@ class EmbeddedEngine:
         self._tokens_generated = 0
         self._sequences_finished = 0
         self._prefills = 0
+        self._busy_s = {"prefill_s": 0.0, "decode_s": 0.0, "host_s": 0.0}
+        """Cumulative scheduler time: prefill and decode forwards with sampling (until the ids reach the host),
+        and the per-row Python work around them (settings, stop checks, events)."""
         self._recent: deque[tuple[float, int]] = deque()
         self._grammars: GrammarCompiler | None = None
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
@@ -290,9 +297,11 @@ class EmbeddedEngine:
     def _step(self) -> None:
         admitted = self._admit()
         if self._rows:
+            start = time.perf_counter()
             logits = self._batch.decode([seq.pending for seq in self._rows])
-            self._append(self._rows, logits)
+            self._append(self._rows, logits, "decode_s", start)
         if admitted:
+            start = time.perf_counter()
             self._prefills += 1
             try:
                 images = [request.images for request, _ in admitted]
@@ -307,12 +316,16 @@ class EmbeddedEngine:
                     self._deliver(request, error)
                 raise
             new_rows = [seq for _, seqs in admitted for seq in seqs]
-            self._append(new_rows, logits)
+            self._append(new_rows, logits, "prefill_s", start)
             self._rows = self._rows + new_rows
         self._retire()
 
-    def _append(self, rows: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample one token per row, record it, check stops, and deliver events."""
+    def _append(self, rows: list[Sequence], logits: torch.Tensor, phase: str, start: float) -> None:
+        """Sample one token per row, record it, check stops, and deliver events.
+
+        Time from `start` until the sampled ids reach the host (the device work) counts as `phase`; the
+        per-row Python work before and after counts as host time."""
+        host_start = time.perf_counter()
         settings = [
             RowSampling(
                 temperature=s.request.params.temperature,
@@ -325,7 +338,10 @@ class EmbeddedEngine:
             )
             for s in rows
         ]
-        step = select_tokens(logits, self._constrain_rows(rows, settings))
+        settings = self._constrain_rows(rows, settings)
+        selected = time.perf_counter()
+        step = select_tokens(logits, settings)
+        synced = time.perf_counter()
         self._advance_matchers(rows, step.token_ids)
         events: dict[int, tuple[Request, list[StreamEvent]]] = {}
         for i, seq in enumerate(rows):
@@ -340,6 +356,8 @@ class EmbeddedEngine:
         for request, request_events in events.values():
             self._deliver(request, request_events)
         now = time.monotonic()
+        self._busy_s[phase] += (host_start - start) + (synced - selected)
+        self._busy_s["host_s"] += (selected - host_start) + (time.perf_counter() - synced)
         self._tokens_generated += len(rows)
         self._recent.append((now, len(rows)))
         while self._recent and self._recent[0][0] < now - 10.0:
@@ -467,13 +485,24 @@ class EmbeddedEngine:
         """Name of the merged adapter, if any."""
         return self._lora.active
 
+    def mark_weights_updated(self) -> int:
+        """The trainer changed the shared weights in place: serve them as a new policy version.
+
+        The module comes back from training in train mode, where prefill would checkpoint (and so keep no
+        cache) and apply dropout: the engine puts it back in eval mode."""
+        with self._between_steps():
+            self.model.eval()
+            self._batch.drop_graphs()
+            self.policy_version += 1
+            return self.policy_version
+
     def weights_fingerprint(self) -> str:
         """`fingerprint_state_dict` of the served weights; equals the trainer's for the same weights."""
         with self._between_steps():
             return fingerprint_state_dict(self.model.state_dict())
 
     def sleep(self) -> None:
-        """Free generation memory (KV cache; on CUDA also move weights to CPU). Needs no running rows."""
+        """Free generation memory (KV cache; on CUDA also move weights it owns to CPU). Needs no running rows."""
         with self._between_steps():
             if self._rows:
                 raise RuntimeError(f"cannot sleep: {len(self._rows)} sequences are running")
@@ -481,13 +510,14 @@ class EmbeddedEngine:
                 self._asleep = True
             self._batch.clear()
             if self._device.type == "cuda":
-                self.model.to("cpu")
+                if self.owns_weights:
+                    self.model.to("cpu")
                 torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
         """Undo `sleep`; requests that arrived meanwhile start now."""
         with self._between_steps():
-            if self._device.type == "cuda":
+            if self._device.type == "cuda" and self.owns_weights:
                 self.model.to(self._device)
             with self._cond:
                 self._asleep = False
@@ -510,6 +540,7 @@ class EmbeddedEngine:
             "tokens_generated": self._tokens_generated,
             "sequences_finished": self._sequences_finished,
             "prefills": self._prefills,
+            **{f"busy_{name}": round(value, 4) for name, value in self._busy_s.items()},
             "throughput_tokens_per_s": round(throughput, 2),
             "kv_slots": self._batch.slots,
             "sleeping": self._asleep,

@@ -55,14 +55,22 @@ class PolicyServing(Protocol):
 
 
 def start_policy_serving(
-    model_path: str, tokenizer: Any, config: AgentRLConfig, *, device: str
+    model_path: str,
+    tokenizer: Any,
+    config: AgentRLConfig,
+    *,
+    device: str,
+    policy: torch.nn.Module | None = None,
 ) -> PolicyServing:
-    """Start the engine `actor_rollout_ref.rollout.name` names, serving the weights at `model_path`."""
+    """Start the engine `actor_rollout_ref.rollout.name` names, serving the weights at `model_path`.
+
+    `policy`: the trainer's module, which the embedded engine then serves itself instead of loading a copy.
+    """
     name = config.actor_rollout_ref.rollout.name
     if name == "embedded":
         from agentrl.rollout.serving.embedded import start_embedded_serving
 
-        return start_embedded_serving(model_path, tokenizer, config, device=device)
+        return start_embedded_serving(model_path, tokenizer, config, device=device, policy=policy)
     if name == "vllm":
         from agentrl.rollout.serving.vllm import start_vllm_serving
 

@@ -28,6 +28,9 @@ class EmbeddedServing:
     engine: EmbeddedEngine
     server: ServerHandle
     model_name: str = ""
+    shares_weights: bool = False
+    """The engine serves the trainer's own module: a push only marks a new version (and the fingerprint check
+    still compares what the trainer holds with what the engine serves)."""
 
     @property
     def url(self) -> str:
@@ -38,6 +41,10 @@ class EmbeddedServing:
         return [self.server.url]
 
     def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        if self.shares_weights:
+            for _ in weights:  # consumed for the caller's fingerprint; the engine already holds these tensors
+                pass
+            return self.engine.mark_weights_updated()
         return self.engine.update_weights(weights)
 
     def served_fingerprint(self) -> str:
@@ -58,17 +65,27 @@ class EmbeddedServing:
 
 
 def start_embedded_serving(
-    model_path: str, tokenizer: Any, config: AgentRLConfig, *, device: str
+    model_path: str,
+    tokenizer: Any,
+    config: AgentRLConfig,
+    *,
+    device: str,
+    policy: torch.nn.Module | None = None,
 ) -> EmbeddedServing:
-    """Load the serving copy of the policy and start its server (`actor_rollout_ref.rollout.*`)."""
+    """Start an engine and its server (`actor_rollout_ref.rollout.*`) over `policy`, the trainer's own module
+    (one copy of the weights for both), or over a serving copy loaded from `model_path` when None."""
     rollout = config.actor_rollout_ref.rollout
-    model = load_causal_lm(model_path, dtype=config.actor_rollout_ref.model.dtype, device=device)
+    model = policy
+    if model is None:
+        model = load_causal_lm(model_path, dtype=config.actor_rollout_ref.model.dtype, device=device)
     engine = EmbeddedEngine(
         model,
         tokenizer,
         max_num_seqs=rollout.max_num_seqs,
         max_model_len=rollout.max_model_len,
         cuda_graphs=not rollout.enforce_eager,
+        compile_decode=rollout.compile_decode and not rollout.enforce_eager,
+        owns_weights=policy is None,
     )
     name = served_model_name(config)
     app = build_server_app(
@@ -83,7 +100,7 @@ def start_embedded_serving(
     except Exception:
         engine.close()
         raise
-    return EmbeddedServing(engine, server, name)
+    return EmbeddedServing(engine, server, name, shares_weights=policy is not None)
 
 
 def served_model_name(config: AgentRLConfig) -> str:

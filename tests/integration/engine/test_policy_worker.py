@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from agentrl.engine.policy_worker import PolicyWorker
 from agentrl.engine.served_weights import served_state_dict
 from agentrl.models import load_causal_lm
 from agentrl.rollout.engines.embedded import fingerprint_state_dict
+from agentrl.types import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -24,15 +27,27 @@ BASE = [
 ]
 
 
-def _start(overrides: list[str]) -> PolicyWorker:
+def _start(overrides: list[str], *, engine_copy: bool = False) -> PolicyWorker:
+    """A worker with its rollout started; `engine_copy`: the engine loads its own copy of the weights (as with
+    FSDP shards or offload) instead of serving the actor module, so pushes and their checks are exercised."""
     torch.manual_seed(0)
     worker = PolicyWorker(load_config(BASE + overrides), total_steps=4, device="cpu")
-    worker.start_rollout()
+    with pytest.MonkeyPatch.context() as patch:
+        if engine_copy:
+            patch.setattr(worker, "_engine_can_share_actor", lambda: False)
+        worker.start_rollout()
     return worker
 
 
 @pytest.fixture(scope="module")
 def worker():
+    worker = _start([], engine_copy=True)
+    yield worker
+    worker.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shared_worker():
     worker = _start([])
     yield worker
     worker.shutdown()
@@ -97,6 +112,34 @@ def test_sync_pushes_trained_weights_and_restores_corrupted_ones(worker):
     assert _served(worker) != _trained(worker)
     worker.sync_weights()
     assert _served(worker) == _trained(worker)
+
+
+def test_the_engine_serves_the_actor_module_itself_when_it_can(shared_worker, worker, lora_worker):
+    worker_, engine = shared_worker, shared_worker.rollout.engine
+    assert engine.model is worker_.actor and not engine.owns_weights
+    assert (
+        lora_worker.rollout.engine.model is not lora_worker.actor
+    )  # LoRA: the engine serves merged adapters
+    before = _served(worker_)
+    version = engine.policy_version
+    metrics = _train_once(worker_)
+    assert metrics["actor/grad_norm"] > 0
+    assert worker_.sync_weights() == {"rollout/policy_version": float(version + 1)}  # no copy, a new version
+    assert _served(worker_) == _trained(worker_) != before
+    worker_.sleep_rollout()  # frees the KV cache only: the actor's weights stay where they are
+    assert all(p.device.type == "cpu" for p in worker_.actor.parameters()) and engine.is_sleeping
+    worker_.wake_rollout()
+    assert (
+        not worker_.actor.training
+    )  # prefill must not run in train mode (gradient checkpointing drops the cache)
+    batch = _batch(worker_.tokenizer_pad_id())
+    prompt = batch.input_ids[0, :4].tolist()
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
+    out = asyncio.run(engine.generate(prompt, params))[0]
+    with torch.no_grad():  # the engine samples from the trained weights: its logprobs are the actor's
+        logits = worker_.actor(torch.tensor([prompt + out.token_ids])).logits[0, 3:-1].float()
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert torch.allclose(expected, torch.tensor(out.logprobs), atol=1e-4)
 
 
 def test_sync_raises_when_the_engine_does_not_serve_what_was_pushed(worker, monkeypatch):
