@@ -25,8 +25,10 @@ from agentrl.algorithms.losses import compute_entropy_from_logits, compute_token
 from agentrl.engine.assembly import TrainBatch
 from agentrl.engine.fsdp import compute_device
 
-CHUNK_ELEMENTS = 1 << 27
-"""Float32 logits per chunk (512 MiB): 883 tokens of a 151,936-token vocabulary."""
+CHUNK_ELEMENTS = 1 << 25
+"""Float32 logits per chunk (128 MiB, 220 tokens of a 151,936-token vocabulary). A chunk's backward holds
+several tensors of this size (the logits, their softmax, the entropy's terms and their gradients), so this sets
+the update's peak above weights, gradients and optimizer state; the GEMMs stay large enough to run at speed."""
 _LOGIT_POSTPROCESSING = (
     "final_logit_softcapping",
     "logit_scale",
