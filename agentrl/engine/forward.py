@@ -43,11 +43,13 @@ def _shift_right(values: torch.Tensor) -> torch.Tensor:
 
 
 def compute_log_probs(
-    model: torch.nn.Module, batch: TrainBatch, *, with_entropy: bool = False
+    model: torch.nn.Module, batch: TrainBatch, *, with_entropy: bool = False, entropy_grad: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, L) log-probs of each response token under `model`, and (B, L) entropies when asked.
 
     Positions outside `batch.response_mask` hold 0 on the chunked path (every loss masks them out).
+    `entropy_grad=False`: the entropy is only logged (no entropy bonus), so the chunked path computes it without
+    autograd, once per chunk, instead of saving it for the backward pass and recomputing it there.
     """
     device = compute_device(model)
     input_ids = batch.input_ids.to(device)
@@ -61,7 +63,7 @@ def compute_log_probs(
         entropy = _shift_right(compute_entropy_from_logits(logits)) if with_entropy else None
         return log_probs, entropy
     wanted = batch.response_mask.to(device).bool()[:, 1:]
-    with _token_head(head, input_ids[:, 1:], wanted, with_entropy):
+    with _token_head(head, input_ids[:, 1:], wanted, with_entropy, entropy_grad):
         out = model(input_ids=input_ids, attention_mask=attention, use_cache=False, **images).logits
     log_probs = _shift_right(out[..., 0])
     return log_probs, _shift_right(out[..., 1]) if with_entropy else None
@@ -82,12 +84,23 @@ def _chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
 
 @contextmanager
 def _token_head(
-    head: torch.nn.Linear, targets: torch.Tensor, wanted: torch.Tensor, with_entropy: bool
+    head: torch.nn.Linear, targets: torch.Tensor, wanted: torch.Tensor, with_entropy: bool, entropy_grad: bool
 ) -> Iterator[None]:
     """Make `head` return, for hidden states (B, L, H), a (B, L-1, 2) tensor of [log-prob, entropy] per token.
 
     `targets` (B, L-1): the token each position predicts; `wanted` (B, L-1) bool: the positions to compute.
     """
+
+    def chunk_stats(hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return _token_stats(hidden, head.weight, head.bias, ids, with_entropy)
+        both = with_entropy and entropy_grad
+        stats = checkpoint(_token_stats, hidden, head.weight, head.bias, ids, both, use_reentrant=False)
+        if with_entropy and not entropy_grad:
+            with torch.no_grad():
+                entropy = _token_stats(hidden, head.weight, head.bias, ids, True)[:, 1]
+            stats = torch.stack([stats[:, 0], entropy], dim=1)
+        return stats
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden[:, :-1]
@@ -99,14 +112,9 @@ def _token_head(
         picked = hidden[rows, cols]
         ids = targets[rows, cols]
         chunk = max(1, CHUNK_ELEMENTS // head.weight.shape[0])
-        grad = torch.is_grad_enabled()
-        parts = [
-            checkpoint(_token_stats, h, head.weight, head.bias, t, with_entropy, use_reentrant=False)
-            if grad
-            else _token_stats(h, head.weight, head.bias, t, with_entropy)
-            for h, t in zip(picked.split(chunk), ids.split(chunk), strict=True)
-        ]
-        stats = torch.cat(parts)
+        stats = torch.cat(
+            [chunk_stats(h, t) for h, t in zip(picked.split(chunk), ids.split(chunk), strict=True)]
+        )
         out = hidden.new_zeros(*hidden.shape[:2], 2, dtype=torch.float32)
         keep = wanted[rows, cols].unsqueeze(1).to(stats.dtype)  # 0 for the placeholder position
         return out.index_put((rows, cols), stats * keep)

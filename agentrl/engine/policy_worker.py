@@ -246,7 +246,9 @@ class PolicyWorker:
     def _actor_loss(self, micro: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config.actor_rollout_ref.actor
         mask = micro.response_mask.to(self.device)
-        log_probs, entropy = compute_log_probs(self.actor, micro, with_entropy=True)
+        log_probs, entropy = compute_log_probs(
+            self.actor, micro, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0
+        )
         if log_probs.device.type != self.device.type:
             raise RuntimeError(
                 f"the actor's forward ran on {log_probs.device}, the worker computes its loss on {self.device}: "

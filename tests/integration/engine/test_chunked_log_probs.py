@@ -67,6 +67,20 @@ def test_chunked_log_probs_and_gradients_equal_whole_logits(monkeypatch, chunk_t
     assert "forward" not in vars(model.lm_head)  # the head's own forward is back
 
 
+def test_a_logged_only_entropy_carries_no_gradient_and_the_same_values():
+    model = load_causal_lm("tiny:qwen2", dtype="float32")
+    batch = _batch()
+    mask = batch.response_mask.float()
+    expected_lp, expected_ent = _whole_logits(model, batch)
+    expected_grads = _loss_and_grads(model, expected_lp, expected_ent.detach(), mask)
+    log_probs, entropy = compute_log_probs(model, batch, with_entropy=True, entropy_grad=False)
+    grads = _loss_and_grads(model, log_probs, entropy, mask)  # the 0.1 * entropy term adds no gradient
+    on = batch.response_mask
+    assert torch.allclose(entropy[on], expected_ent[on], atol=1e-5)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, expected_grads[name], atol=1e-5, rtol=1e-4), name
+
+
 def test_a_batch_without_response_tokens_still_backpropagates_zero():
     model = load_causal_lm("tiny:qwen2", dtype="float32")
     batch = _batch()

@@ -60,7 +60,7 @@ def test_token_mean_loss_is_the_same_whatever_the_micro_batches():
         run_ppo_updates(
             batch, loss, model=net, optimizer=optimizer, scheduler=scheduler, generator=None, section=section,
             train_batch_size=1, shuffle=False, remove_padding=True, prefix="actor",
-            on_optimizer_step=lambda: grads.append(net.weight.grad.clone()),  # freed after the update
+            on_optimizer_step=lambda net=net: grads.append(net.weight.grad.clone()),  # freed after the update
         )  # fmt: skip
         assert net.weight.grad is None
     assert torch.allclose(grads[0], grads[1])
