@@ -3,7 +3,7 @@
 #   source .device/prelude.sh && bash scripts/gpu_check.sh tests|full|lora|ray1|offload [OUT_DIR]
 # tests: pytest tests/gpu. full/lora: 10 GRPO steps on the Qwen2.5-0.5B shape (bf16, 16 prompts x 8 answers x
 # 256 tokens, local backend). ray1/ray2: 3 steps on the Ray backend with FSDP2 on 1/2 GPUs. offload: 2 steps of the
-# 1.5B shape with parameter offload. STEPS=N changes the 10 steps of full and lora.
+# 1.5B shape with parameter offload (64-token answers). STEPS=N changes the 10 steps of full and lora.
 set -uo pipefail
 what=$1
 out=${2:-${OUT:-outputs/gpu}}
@@ -35,6 +35,7 @@ case $what in
   ray1) train trainer.backend=ray trainer.total_training_steps=3 ;;
   ray2) train trainer.backend=ray trainer.n_gpus_per_node=2 trainer.total_training_steps=3 ;;
   offload) train trainer.backend=ray trainer.total_training_steps=2 actor_rollout_ref.model.path=tiny:qwen2.5-1.5b-shape \
-    actor_rollout_ref.actor.fsdp_config.param_offload=true actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 ;;
+    actor_rollout_ref.actor.fsdp_config.param_offload=true actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 \
+    data.max_response_length=64 ;;
   *) echo "unknown check $what" >&2; exit 2 ;;
 esac

@@ -111,7 +111,8 @@ def run_ppo_updates(
             else:
                 skipped += 1
                 log.warning("%s: non-finite grad norm %s; optimizer step skipped", prefix, grad_norm.item())
-    optimizer.zero_grad(set_to_none=True)  # gradients are not needed until the next update: free them for rollout
+    # Gradients are not needed until the next update: free them for the rollout.
+    optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     metrics = {key: value / max(steps, 1) for key, value in all_reduce_sum_dict(stats_sum).items()}
     metrics.update(all_reduce_max_dict(stats_max))

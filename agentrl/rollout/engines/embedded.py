@@ -58,6 +58,11 @@ __all__ = ["EmbeddedEngine", "StreamEvent", "build_embedded_engine", "fingerprin
 logger = logging.getLogger(__name__)
 MAX_TOP_LOGPROBS = 20
 ADMISSION_WINDOW_S = 0.02
+"""Longest a waiting request is held back while rows run, to batch arrivals into one prefill."""
+IDLE_ADMISSION_WINDOW_S = 0.1
+"""Longest the first request of a burst is held back by an idle engine (a rollout's requests come in a burst)."""
+ARRIVALS_QUIET_S = 0.004
+"""Arrivals have paused when the newest waiting request is this old: admit what came."""
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
@@ -252,37 +257,53 @@ class EmbeddedEngine:
 
     # ----- scheduler thread -------------------------------------------------------------------
     def _run(self) -> None:
+        hold = None
         while True:
             with self._cond:
                 while not self._closed and (
                     self._admin_waiting or (not self._rows and (self._asleep or not self._waiting))
                 ):
                     self._cond.wait()
+                if hold is not None and not self._rows and not self._closed:
+                    self._cond.wait(timeout=hold)  # an idle engine gathering a burst (a new arrival wakes it)
                 if self._closed:
                     break
             try:
                 with self._step_lock:
-                    self._step()
+                    hold = self._step()
             except Exception as error:  # a failed step costs its requests, not the engine
+                hold = None
                 logger.exception("embedded engine step failed")
                 self._fail_running(error)
         self._fail_running(RuntimeError("engine closed"))
 
-    def _admit(self) -> list[tuple[Request, list[Sequence]]]:
-        """Waiting requests that fit, once the oldest has waited `ADMISSION_WINDOW_S` while rows run.
+    def _admission_hold(self, free: int) -> float | None:
+        """Seconds to keep waiting requests back (None: admit now). Caller holds `_cond`.
 
-        Each admission is one prefill forward (tens of ms on GPU, launch-bound whatever its size), and
-        the requests of a rollout arrive over a fraction of a second: admitting at every decode step
-        made one prefill per arrival. Holding them back a little batches arrivals into few prefills;
-        an idle engine, or enough waiting to fill every free slot, admits at once.
+        Each admission is one prefill forward (tens of ms on GPU, launch-bound whatever its size) that also
+        stalls every running row, and the requests of a rollout arrive as a burst over a fraction of a
+        second: admitting as they came made one prefill per arrival. Requests are admitted together once
+        the arrivals pause (`ARRIVALS_QUIET_S`), when they would fill every free slot, or when the oldest
+        has waited the window (`ADMISSION_WINDOW_S` while rows run, `IDLE_ADMISSION_WINDOW_S` when idle).
         """
+        if not self._waiting or sum(len(seqs) for _, seqs in self._waiting) >= free:
+            return None
+        now = time.monotonic()
+        window = ADMISSION_WINDOW_S if self._rows else IDLE_ADMISSION_WINDOW_S
+        left = min(
+            window - (now - self._waiting[0][0].arrived),
+            ARRIVALS_QUIET_S - (now - self._waiting[-1][0].arrived),
+        )
+        return left if left > 0 else None
+
+    def _admit(self) -> tuple[list[tuple[Request, list[Sequence]]], float | None]:
+        """Waiting requests that fit, once `_admission_hold` lets them in; and how long it holds them."""
         admitted: list[tuple[Request, list[Sequence]]] = []
         with self._cond:
             free = self.max_num_seqs - len(self._rows)
-            if self._rows and self._waiting:
-                waiting = sum(len(seqs) for _, seqs in self._waiting)
-                if waiting < free and time.monotonic() - self._waiting[0][0].arrived < ADMISSION_WINDOW_S:
-                    return admitted
+            hold = self._admission_hold(free)
+            if hold is not None:
+                return admitted, hold
             while self._waiting and not self._asleep:
                 request, seqs = self._waiting[0]
                 if request.cancelled:
@@ -292,10 +313,12 @@ class EmbeddedEngine:
                     break
                 admitted.append(self._waiting.popleft())
                 free -= len(seqs)
-        return admitted
+        return admitted, None
 
-    def _step(self) -> None:
-        admitted = self._admit()
+    def _step(self) -> float | None:
+        """One decode step of the running rows and/or one prefill of admitted requests; returns how long
+        admission holds the waiting ones back when nothing ran (the scheduler then waits that long)."""
+        admitted, hold = self._admit()
         if self._rows:
             start = time.perf_counter()
             logits = self._batch.decode([seq.pending for seq in self._rows])
@@ -319,6 +342,7 @@ class EmbeddedEngine:
             self._append(new_rows, logits, "prefill_s", start)
             self._rows = self._rows + new_rows
         self._retire()
+        return hold
 
     def _append(self, rows: list[Sequence], logits: torch.Tensor, phase: str, start: float) -> None:
         """Sample one token per row, record it, check stops, and deliver events.
