@@ -35,7 +35,7 @@ def test_train_py_draws_pictures_warm_starts_and_trains(tmp_path):
         [sys.executable, str(TRAIN), *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, f"train.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert len(list((run_dir / "data" / "images").glob("*.png"))) == 256 + 64
+    assert len(list((run_dir / "data" / "images").glob("*.png"))) == 256 + 200
     assert "held-out accuracy " in proc.stdout and " -> " in proc.stdout
     history = read_metrics_history(run_dir)
     before = next(r for r in history if r["step"] == 0 and "val/answered" in r)

@@ -59,7 +59,7 @@ def build_rows(count: int, seed: int, image_dir: Path, split: str) -> list[dict]
     return rows
 
 
-def write_dataset(out: str | Path, n_train: int = 256, n_test: int = 64, seed: int = 0) -> dict[str, Path]:
+def write_dataset(out: str | Path, n_train: int = 256, n_test: int = 200, seed: int = 0) -> dict[str, Path]:
     """Write `train.jsonl` and `test.jsonl` (+ `images/`) under `out`; returns their paths. Reuses a complete set."""
     out = Path(out)
     paths = {"train": out / "train.jsonl", "test": out / "test.jsonl"}
@@ -77,7 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="data/shapes")
     parser.add_argument("--train", type=int, default=256)
-    parser.add_argument("--test", type=int, default=64)
+    parser.add_argument("--test", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     for split, path in write_dataset(args.out, args.train, args.test, args.seed).items():
