@@ -80,10 +80,10 @@ class WorkerHost:
 
         from agentrl.engine.distributed import init_worker_process_group
 
-        device = kwargs.get("device", "cpu")
-        if device == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        init_worker_process_group(rank, world_size, init_method, device)
+        # Ray starts actors with OMP_NUM_THREADS=1; each rank gets its share of the host's cores instead (on GPU
+        # too: with parameter offload the optimizer step and gradient accumulation run on the CPU).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        init_worker_process_group(rank, world_size, init_method, kwargs.get("device", "cpu"))
         self.worker = worker_cls(**kwargs)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
