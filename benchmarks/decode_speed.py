@@ -9,7 +9,9 @@ For each batch size it prefills `--prompt-len` tokens per row and times `--steps
 sampling). The roofline is the time to read the weights and the KV cache once at `--bandwidth` bytes/s.
 
 Part 2 (engine): `--sequences` completions of `--max-tokens` tokens (16 prompts x n, ignore_eos) through
-`EmbeddedEngine.generate`, sampled at temperature 1: generated tokens / wall time, with and without graphs.
+`EmbeddedEngine.generate`, sampled at temperature 1: generated tokens / wall time, with and without graphs, and
+(compiled) with the tokens drawn on the device one step ahead (the default) against the host's schedule, where
+each step's tokens reach the host before the next step starts. `--engine-only` skips part 1.
 
     python benchmarks/decode_speed.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16 --device cuda
     python benchmarks/decode_speed.py --model tiny:qwen2 --device cpu --batches 1 8 32 --steps 16   # CPU smoke
@@ -60,11 +62,18 @@ def roofline_ms(model: torch.nn.Module, rows: int, length: int, bandwidth: float
     return 1000 * (weights + rows * length * KVShape.of(model).bytes_per_token()) / bandwidth
 
 
+class HostScheduleEngine(EmbeddedEngine):
+    """The engine with every row drawn on the host's schedule (what rows with grammars or top logprobs get)."""
+
+    def _can_draw_on_device(self, admitted) -> bool:
+        return False
+
+
 def engine_throughput(
-    model, tokenizer, args, cuda_graphs: bool, compile_decode: bool = False
+    model, tokenizer, args, cuda_graphs: bool, compile_decode: bool = False, host_schedule: bool = False
 ) -> dict[str, float]:
     n = args.sequences // 16
-    engine = EmbeddedEngine(
+    engine = (HostScheduleEngine if host_schedule else EmbeddedEngine)(
         model, tokenizer, max_num_seqs=args.sequences, max_model_len=args.prompt_len + args.max_tokens + 8,
         cuda_graphs=cuda_graphs, compile_decode=compile_decode,
     )  # fmt: skip
@@ -100,6 +109,7 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 SXM HBM3)")
     parser.add_argument("--skip-dynamic", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--engine-only", action="store_true", help="skip part 1 (decode step times)")
     args = parser.parse_args()
     device = torch.device(args.device)
     model = load_causal_lm(args.model, dtype=args.dtype, device=args.device).eval()
@@ -130,7 +140,7 @@ def main() -> None:
         + f" {'roofline':>9} {'graphs/dynamic':>15}"
     )
     results = []
-    for rows in args.batches:
+    for rows in [] if args.engine_only else args.batches:
         prompts = [[(31 * r + i) % 1000 + 10 for i in range(args.prompt_len)] for r in range(rows)]
         row = {name: time_decode(build(), prompts, args.steps, device) for name, build in paths.items()}
         row["roofline"] = roofline_ms(model, rows, length, args.bandwidth)
@@ -143,10 +153,14 @@ def main() -> None:
         )
         results.append({"batch": rows, **{k: round(v, 3) for k, v in row.items()}})
     engine = {"graphs": engine_throughput(model, tokenizer, args, cuda_graphs=True)}
+    engine["graphs, host schedule"] = engine_throughput(model, tokenizer, args, True, host_schedule=True)
     if device.type == "cuda":
         engine["eager"] = engine_throughput(model, tokenizer, args, cuda_graphs=False)
         if not args.skip_compile:
             engine["graphs+compile"] = engine_throughput(model, tokenizer, args, True, compile_decode=True)
+            engine["graphs+compile, host schedule"] = engine_throughput(
+                model, tokenizer, args, True, compile_decode=True, host_schedule=True
+            )
     print(f"engine, {args.sequences} x {args.max_tokens} tokens sampled: {json.dumps(engine)}")
     print(json.dumps({"decode_ms": results, "engine": engine}))
 

@@ -55,13 +55,17 @@ log = logging.getLogger(__name__)
 
 
 def _engine_timing(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict[str, float]:
-    """Where the generation phase went inside the embedded engines (the slowest worker's seconds):
+    """Where the generation phase went inside the embedded engines (the slowest worker's):
     `timing/engine_prefill`, `timing/engine_decode` (forwards and sampling) and `timing/engine_host` (the
-    scheduler's per-row Python work). The rest of `timing/gen` is the agents, the gateway and waiting."""
+    scheduler's per-row Python work) in seconds; `rollout/engine_prefills`, `rollout/engine_decode_steps_device`
+    and `rollout/engine_decode_steps_host` as counts. The rest of `timing/gen` is the agents, the gateway and
+    waiting."""
     timing: dict[str, float] = {}
     for start, end in zip(before, after, strict=True):
         for key, value in end.items():
-            name = f"timing/engine_{key.removesuffix('_s')}"
+            name = (
+                f"timing/engine_{key.removesuffix('_s')}" if key.endswith("_s") else f"rollout/engine_{key}"
+            )
             timing[name] = max(timing.get(name, 0.0), value - start.get(key, 0.0))
     return timing
 
@@ -234,10 +238,10 @@ class Controller:
         for step in range(self.global_step + 1, self.total_steps + 1):
             timing: dict[str, float] = {}
             with _timer(timing, "step"):
-                busy_before = self.policy.call("engine_busy_seconds")
+                busy_before = self.policy.call("engine_counters")
                 with _timer(timing, "gen"):
                     episodes, kept = self.collect_training_episodes()
-                timing.update(_engine_timing(busy_before, self.policy.call("engine_busy_seconds")))
+                timing.update(_engine_timing(busy_before, self.policy.call("engine_counters")))
                 metrics = {
                     "training/global_step": step,
                     "training/epoch": self.loader.epoch,

@@ -184,13 +184,16 @@ class PolicyWorker:
             served_dtype=_DTYPES.get(served_dtype),
         )
 
-    def engine_busy_seconds(self) -> dict[str, float]:
-        """The embedded engine's cumulative prefill, decode and host seconds (`EmbeddedEngine.stats`); {} for
-        vLLM, whose servers keep their own metrics."""
+    def engine_counters(self) -> dict[str, float]:
+        """The embedded engine's cumulative prefill, decode and host seconds and its prefill and decode step
+        counts (`EmbeddedEngine.stats`); {} for vLLM, whose servers keep their own metrics."""
         engine = getattr(self.rollout, "engine", None)
         if engine is None:
             return {}
-        return {k[len("busy_") :]: v for k, v in engine.stats().items() if k.startswith("busy_")}
+        stats = engine.stats()
+        counters = {k[len("busy_") :]: v for k, v in stats.items() if k.startswith("busy_")}
+        counters.update({k: v for k, v in stats.items() if k == "prefills" or k.startswith("decode_steps_")})
+        return counters
 
     def sleep_rollout(self) -> None:
         if self.rollout is not None and self.config.actor_rollout_ref.rollout.free_cache_engine:

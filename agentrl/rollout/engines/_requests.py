@@ -52,6 +52,8 @@ class Request:
     """`vision.ImageInputs` behind the prompt's image pads, or None for a text prompt."""
     constraint: Any = None
     """`constraints.Constraint` the completions must follow (forced tool call, JSON), or None."""
+    draws_on_device: bool = False
+    """Its rows need nothing from the host to draw (no grammar, blocked tokens or top logprobs)."""
 
 
 @dataclass

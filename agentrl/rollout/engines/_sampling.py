@@ -6,10 +6,16 @@ top-p) and the draw are vectorised over the batch, so a step costs a handful of 
 copy to the host, whatever the batch size.
 
 A draw depends only on the completion's seed and the token's position in it: the uniform number
-behind inverse-CDF sampling comes from a counter-based hash of (seed, position) (splitmix64, computed
-exactly in Python integers), not from a stateful generator. A seeded request therefore gives the
-same tokens whatever else shares its batch, on any device, and a resumed run redraws what the
-uninterrupted one drew.
+behind inverse-CDF sampling comes from a counter-based hash of (seed, position) (splitmix64 in
+wrapping 64-bit integer arithmetic, on the device; `uniform_draw` is the same hash in Python integers,
+the reference), not from a stateful generator. A seeded request therefore gives the same tokens
+whatever else shares its batch, on any device, and a resumed run redraws what the uninterrupted one
+drew.
+
+Two entry points: `select_tokens` serves any mix of rows (blocked tokens, grammars, top logprobs) and
+brings the result to the host at once; `sample_on_device` serves plain rows whose settings already
+live on the device, and leaves tokens there, so the engine can launch the next decode step before it
+reads them (`_slot_batch.SlotBatch.decode_sampled`).
 
 Logprobs are always the log-softmax of the RAW logits (before temperature, top-k, top-p and the
 min_tokens mask) at the chosen token: the log-probability of the token under the policy itself,
@@ -70,24 +76,60 @@ def _splitmix64(value: int) -> int:
 
 
 def uniform_draw(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) that depends only on (seed, position)."""
+    """A uniform number in [0, 1) that depends only on (seed, position) (reference for `uniform_draws`)."""
     mixed = _splitmix64((_splitmix64(seed & _MASK64) + position) & _MASK64)
     return (mixed >> 11) / float(1 << 53)
 
 
+def as_int64(value: int) -> int:
+    """The 64-bit pattern of `value` (taken modulo 2^64) as a signed int64, the form a torch.long holds."""
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = (as_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical (unsigned) right shift of int64 values: torch's `>>` on signed integers is arithmetic."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """`_splitmix64` on int64 tensors: additions and products wrap modulo 2^64 like the masked Python ones."""
+    x = x + _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def uniform_draws(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`uniform_draw` element-wise on the device: int64 seeds (`as_int64`) and positions -> float32, equal
+    bit for bit to the Python reference rounded to float32."""
+    mixed = _splitmix64_tensor(_splitmix64_tensor(seeds) + positions)
+    return (_shift_right(mixed, 11).double() / float(1 << 53)).float()
+
+
 def filter_logits(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    *,
+    needs: tuple[bool, bool] | None = None,
 ) -> torch.Tensor:
     """Temperature, then top-k, then top-p (nucleus) filtering, per row.
 
     logits (B, V) float; temperature (B,) > 0; top_p (B,) in (0, 1]; top_k (B,) long, <= 0 = off.
+    `needs`: whether any row filters by top-k and by top-p, when the caller knows (saves a host sync).
     Returns processed logits (B, V) with removed tokens at -inf. The most likely token always
     survives, so every row keeps at least one candidate.
     """
     scaled = logits / temperature.unsqueeze(1)
     vocab = scaled.shape[-1]
-    needs_k = bool(((top_k > 0) & (top_k < vocab)).any())
-    needs_p = bool((top_p < 1.0).any())
+    if needs is None:
+        needs = (bool(((top_k > 0) & (top_k < vocab)).any()), bool((top_p < 1.0).any()))
+    needs_k, needs_p = needs
     if not needs_k and not needs_p:
         return scaled
     sorted_logits, sorted_idx = torch.sort(scaled, dim=-1, descending=True)
@@ -162,8 +204,9 @@ def select_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> StepResult:
         temperature = torch.tensor([r.temperature for r in settings], device=dev, dtype=torch.float32)
         top_p = torch.tensor([r.top_p for r in settings], device=dev, dtype=torch.float32)
         top_k = torch.tensor([r.top_k for r in settings], device=dev, dtype=torch.long)
-        uniforms = torch.tensor(
-            [uniform_draw(r.seed, r.position) for r in settings], device=dev, dtype=torch.float32
+        uniforms = uniform_draws(
+            torch.tensor([as_int64(r.seed) for r in settings], device=dev),
+            torch.tensor([r.position for r in settings], device=dev),
         )
         part = choice_logits if len(sampled) == len(rows) else choice_logits[idx]
         probs = torch.softmax(filter_logits(part, temperature, top_p, top_k), dim=-1)
@@ -182,3 +225,31 @@ def select_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> StepResult:
                 k = row.top_logprobs
                 tops[i] = dict(zip(indices[i][:k], values[i][:k], strict=True))
     return StepResult(token_ids=token_ids, logprobs=host[1].tolist(), top_logprobs=tops)
+
+
+def filters_needed(top_k: list[int], top_p: list[float], vocab: int) -> tuple[bool, bool]:
+    """Whether any row filters by top-k, and whether any by top-p (`filter_logits`'s `needs`)."""
+    return any(0 < k < vocab for k in top_k), any(p < 1.0 for p in top_p)
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    needs: tuple[bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's next token and its raw logprob, left on the device (no host sync).
+
+    For rows without blocked tokens, grammars or top logprobs; the draw equals `select_tokens`' for the same
+    (seed, position). Greedy rows (temperature <= 0) take the argmax of the raw logits.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0.0
+    scaled = filter_logits(logits, torch.where(greedy, 1.0, temperature), top_p, top_k, needs=needs)
+    drawn = _inverse_cdf(torch.softmax(scaled, dim=-1), uniform_draws(seeds, positions))
+    chosen = torch.where(greedy, torch.argmax(logits, dim=-1), drawn)
+    logprob = torch.log_softmax(logits, dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1)
+    return chosen, logprob

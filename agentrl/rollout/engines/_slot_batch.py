@@ -7,6 +7,13 @@ slots as it has completions, and returns the logits of their last prompt token. 
 every row's pending token through `decode_step` over the first `bucket` slots (a power of two that
 covers the highest slot in use), replaying the CUDA graph captured for that bucket on CUDA.
 
+Rows whose sampling needs nothing from the host (no grammar, blocked tokens or top logprobs) can
+decode without a host round trip per token: the slot's token, position, sampling settings and draw
+counter live on the device, `decode_sampled` replays the step, draws every row's next token there,
+writes it back as the slot's next input and only starts copying the results to pinned host memory.
+The engine launches step k+1 before it reads step k's tokens, so the GPU never waits for the
+scheduler's Python. A row that finished at step k runs one step more; its token is discarded.
+
 The cache length grows on demand (powers of two, up to max_model_len) and is freed by `clear`, so
 the hybrid engine's sleep returns the memory to training. Graphs point at the cache and the weights:
 they are dropped whenever either may have moved (growth, `clear`, weight loads, LoRA merges).
@@ -16,10 +23,12 @@ from __future__ import annotations
 
 import heapq
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from agentrl.rollout.engines._batch import prefill
+from agentrl.rollout.engines._sampling import as_int64, sample_on_device
 from agentrl.rollout.engines._slot_decode import KVShape, decode_step
 
 logger = logging.getLogger(__name__)
@@ -41,6 +50,35 @@ def _compiled_decode_step():
     if _COMPILED is None:
         _COMPILED = torch.compile(decode_step.__wrapped__, dynamic=True)  # the caller holds inference_mode
     return _COMPILED
+
+
+@dataclass
+class DeviceDraw:
+    """Tokens and raw logprobs drawn on the device for some slots, on their way to the host."""
+
+    slots: list[int]
+    results: torch.Tensor
+    """(2, n) float64: token ids (exact below 2^53) and logprobs, indexed by slot; pinned memory on CUDA."""
+    ready: torch.cuda.Event | None
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """Wait for the copy, then each slot's token id and logprob, in `slots` order."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        ids, logprobs = self.results.tolist()
+        return [int(ids[s]) for s in self.slots], [logprobs[s] for s in self.slots]
+
+
+@dataclass(frozen=True)
+class SlotSampling:
+    """The sampling settings of the rows a `load_rows` call writes to the device, one entry per row."""
+
+    temperature: list[float]
+    top_p: list[float]
+    top_k: list[int]
+    seeds: list[int]
+    drawn: list[int]
+    """Tokens each row has drawn so far: the position of its next draw within the completion."""
 
 
 class SlotBatch:
@@ -72,6 +110,13 @@ class SlotBatch:
         self._row_positions: list[int] = []
         self._token_ids = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self._positions = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        # Per-slot state of `decode_sampled` (written by `load_rows`); positions of free slots stay 0.
+        self._active = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        self._temperature = torch.zeros(max_slots, dtype=torch.float32, device=self.device)
+        self._top_p = torch.ones(max_slots, dtype=torch.float32, device=self.device)
+        self._top_k = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        self._seeds = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        self._drawn = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
 
@@ -98,6 +143,7 @@ class SlotBatch:
         self._copy_prompts(prefilled.cache, source, slots, prefilled.slots, lengths)
         self._row_slots += slots
         self._row_positions += lengths
+        self._set_slots(slots, self._active, [1] * len(slots))
         return logits.index_select(0, source)
 
     def _copy_prompts(
@@ -117,9 +163,12 @@ class SlotBatch:
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in that order); the other rows' slots are freed."""
         kept = set(rows)
-        for i, slot in enumerate(self._row_slots):
-            if i not in kept:
-                heapq.heappush(self._free, slot)
+        freed = [slot for i, slot in enumerate(self._row_slots) if i not in kept]
+        for slot in freed:
+            heapq.heappush(self._free, slot)
+        if freed:  # a free slot decodes at position 0: its writes never leave the cache
+            self._set_slots(freed, self._active, [0] * len(freed))
+            self._set_slots(freed, self._positions, [0] * len(freed))
         self._row_slots = [self._row_slots[i] for i in rows]
         self._row_positions = [self._row_positions[i] for i in rows]
 
@@ -127,6 +176,8 @@ class SlotBatch:
         """Drop every row, the cache and the graphs (their memory goes back to the allocator)."""
         self._row_slots, self._row_positions = [], []
         self._free = list(range(self.max_slots))
+        self._active.zero_()
+        self._positions.zero_()
         self.keys, self.values, self.length = [], [], 0
         self.drop_graphs()
 
@@ -152,6 +203,80 @@ class SlotBatch:
             logits = self._step(bucket)
         self._row_positions = [p + 1 for p in self._row_positions]
         return logits.index_select(0, torch.tensor(self._row_slots, device=self.device))
+
+    def _set_slots(self, slots: list[int], target: torch.Tensor, values: list) -> None:
+        index = torch.tensor(slots, device=self.device)
+        target.index_copy_(
+            0, index, torch.tensor(values, dtype=target.dtype).to(self.device, non_blocking=True)
+        )
+
+    # ----- decoding without a host round trip ------------------------------------------------------
+    def load_rows(self, start: int, sampling: SlotSampling, tokens: list[int] | None = None) -> None:
+        """Write rows `start`.. (their sampling settings, draw counters and cache positions; their pending
+        tokens when given) to the device state `decode_sampled` and `draw_first` read."""
+        slots = self._row_slots[start:]
+        self._set_slots(slots, self._positions, self._row_positions[start:])
+        self._set_slots(slots, self._temperature, sampling.temperature)
+        self._set_slots(slots, self._top_p, sampling.top_p)
+        self._set_slots(slots, self._top_k, sampling.top_k)
+        self._set_slots(slots, self._seeds, [as_int64(seed) for seed in sampling.seeds])
+        self._set_slots(slots, self._drawn, sampling.drawn)
+        if tokens is not None:
+            self._set_slots(slots, self._token_ids, tokens)
+
+    @torch.inference_mode()
+    def draw_first(self, logits: torch.Tensor, start: int, needs: tuple[bool, bool]) -> DeviceDraw:
+        """Draw the first token of rows `start`.. from their prefill `logits` (rows, V), on the device."""
+        slots = self._row_slots[start:]
+        index = torch.tensor(slots, device=self.device)
+        chosen, logprob = sample_on_device(
+            logits,
+            *(state.index_select(0, index) for state in (self._temperature, self._top_p, self._top_k)),
+            self._seeds.index_select(0, index),
+            self._drawn.index_select(0, index),
+            needs,
+        )
+        self._token_ids.index_copy_(0, index, chosen)
+        self._drawn.index_add_(0, index, torch.ones_like(chosen))
+        results = torch.zeros(2, self.max_slots, dtype=torch.float64, device=self.device)
+        results[0].index_copy_(0, index, chosen.double())
+        results[1].index_copy_(0, index, logprob.double())
+        return self._to_host(results, slots)
+
+    @torch.inference_mode()
+    def decode_sampled(self, needs: tuple[bool, bool]) -> DeviceDraw:
+        """Feed every slot its token from the device, draw the next one there, and make it the slot's next
+        input; returns the rows' draws on their way to the host (nothing here waits for the device)."""
+        bucket = self._bucket(max(self._row_slots) + 1)
+        if self.cuda_graphs:
+            graph, logits = self._graph(bucket)
+            graph.replay()
+        else:
+            logits = self._step(bucket)
+        chosen, logprob = sample_on_device(
+            logits,
+            self._temperature[:bucket],
+            self._top_p[:bucket],
+            self._top_k[:bucket],
+            self._seeds[:bucket],
+            self._drawn[:bucket],
+            needs,
+        )
+        active = self._active[:bucket]
+        self._token_ids[:bucket].copy_(chosen)
+        self._positions[:bucket] += active
+        self._drawn[:bucket] += active
+        self._row_positions = [p + 1 for p in self._row_positions]
+        return self._to_host(torch.stack([chosen.double(), logprob.double()]), list(self._row_slots))
+
+    def _to_host(self, results: torch.Tensor, slots: list[int]) -> DeviceDraw:
+        if self.device.type != "cuda":
+            return DeviceDraw(slots, results, None)
+        host = torch.empty(results.shape, dtype=results.dtype, pin_memory=True)
+        host.copy_(results, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return DeviceDraw(slots, host, ready)
 
     def _step(self, bucket: int) -> torch.Tensor:
         return self._decode_step(

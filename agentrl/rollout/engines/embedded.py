@@ -15,7 +15,9 @@ retires finished rows. For Llama-family models the running batch lives in a prea
 cache and each decode step is one CUDA graph replay on GPU (`_slot_batch.py`, `_slot_decode.py`);
 other models use transformers' `DynamicCache` (`_batch.py`). Each row samples with its own settings
 and seed, all rows in one vectorised draw (`_sampling.py`): per-request seeds give the same tokens
-whatever else is in the batch, and greedy (temperature 0) equals `model.generate`'s greedy.
+whatever else is in the batch, and greedy (temperature 0) equals `model.generate`'s greedy. On the
+slot path, rows without grammars, blocked tokens or top logprobs draw on the device and the scheduler
+runs one step ahead: it launches step k+1 before it reads step k's tokens (`_step_on_device`).
 
 Logprobs are raw (log-softmax of the unprocessed logits at the sampled token), matching a
 teacher-forced forward pass of the same weights. Weight updates and LoRA merges take the step lock,
@@ -39,8 +41,8 @@ import torch
 from agentrl.data.images import load_image_processor
 from agentrl.rollout.engines._batch import DynamicBatch
 from agentrl.rollout.engines._requests import Detokenizer, Request, Sequence, StreamEvent, build_sequences
-from agentrl.rollout.engines._sampling import RowSampling, select_tokens
-from agentrl.rollout.engines._slot_batch import SlotBatch
+from agentrl.rollout.engines._sampling import RowSampling, filters_needed, select_tokens
+from agentrl.rollout.engines._slot_batch import DeviceDraw, SlotBatch, SlotSampling
 from agentrl.rollout.engines._slot_decode import slot_decode_unsupported
 from agentrl.rollout.engines._weights import LoraMerger, fingerprint_state_dict, load_weights_in_place
 from agentrl.rollout.engines.constraints import Constraint, GrammarCompiler, advance, fill_bitmasks
@@ -121,11 +123,17 @@ class EmbeddedEngine:
         self._tokens_generated = 0
         self._sequences_finished = 0
         self._prefills = 0
+        self._decode_steps = {"device": 0, "host": 0}
+        """Decode steps that drew on the device one step ahead (`_step_on_device`), and on the host's schedule."""
         self._busy_s = {"prefill_s": 0.0, "decode_s": 0.0, "host_s": 0.0}
         """Cumulative scheduler time: prefill and decode forwards with sampling (until the ids reach the host),
         and the per-row Python work around them (settings, stop checks, events)."""
         self._recent: deque[tuple[float, int]] = deque()
         self._grammars: GrammarCompiler | None = None
+        self._in_flight: list[tuple[list[Sequence], DeviceDraw]] = []
+        """Draws launched on the device and not read yet, oldest first (`_step_on_device`)."""
+        self._rows_on_device = False
+        """Whether the device holds every row's pending token, position and draw counter."""
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
         self._thread.start()
 
@@ -246,6 +254,9 @@ class EmbeddedEngine:
             images=images,
             constraint=constraint,
         )
+        request.draws_on_device = (
+            top_logprobs == 0 and constraint is None and not self._blocked_below_min_tokens_of(params)
+        )
         seqs = build_sequences(request)
         self._attach_matchers(seqs)
         with self._cond:
@@ -319,33 +330,115 @@ class EmbeddedEngine:
         """One decode step of the running rows and/or one prefill of admitted requests; returns how long
         admission holds the waiting ones back when nothing ran (the scheduler then waits that long)."""
         admitted, hold = self._admit()
+        if self._can_draw_on_device(admitted):
+            self._step_on_device(admitted)
+        else:
+            self._read_in_flight()
+            self._step_on_host(admitted)
+        return hold
+
+    def _can_draw_on_device(self, admitted: list[tuple[Request, list[Sequence]]]) -> bool:
+        return (
+            isinstance(self._batch, SlotBatch)
+            and all(seq.request.draws_on_device for seq in self._rows)
+            and all(request.draws_on_device for request, _ in admitted)
+        )
+
+    def _step_on_device(self, admitted: list[tuple[Request, list[Sequence]]]) -> None:
+        """Launch the next decode step, then read the previous one's tokens while the device runs it.
+
+        Rows that finished at the step being read were already fed to the launched one: its token for them
+        is dropped. Admitted rows draw their first token on the device too; it is read at the next step."""
+        batch: SlotBatch = self._batch  # type: ignore[assignment]
+        if self._rows:
+            start = time.perf_counter()
+            if not self._rows_on_device:
+                batch.load_rows(0, self._slot_sampling(self._rows), [seq.pending for seq in self._rows])
+            launched = batch.decode_sampled(self._filters(self._rows))
+            self._decode_steps["device"] += 1
+            self._busy_s["decode_s"] += time.perf_counter() - start
+            self._read_in_flight(then_keep=(self._rows, launched))
+        if admitted:
+            start = time.perf_counter()
+            logits, new_rows = self._prefill(admitted)
+            first = len(self._rows)
+            self._rows = self._rows + new_rows
+            batch.load_rows(first, self._slot_sampling(new_rows))
+            self._in_flight.append((new_rows, batch.draw_first(logits, first, self._filters(new_rows))))
+            self._busy_s["prefill_s"] += time.perf_counter() - start
+        self._rows_on_device = True
+        if not self._rows:
+            self._read_in_flight()  # every row of the launched step finished: nothing to wait for later
+
+    def _read_in_flight(self, then_keep: tuple[list[Sequence], DeviceDraw] | None = None) -> None:
+        """Record the draws launched earlier (oldest first) and retire finished rows; `then_keep` stays in
+        flight."""
+        pending, self._in_flight = self._in_flight, [then_keep] if then_keep else []
+        for rows, draw in pending:
+            start = time.perf_counter()
+            token_ids, logprobs = draw.read()
+            waited = time.perf_counter()
+            live = [
+                i for i, seq in enumerate(rows) if seq.finish_reason is None and not seq.request.cancelled
+            ]
+            self._record(
+                [rows[i] for i in live], [token_ids[i] for i in live], [logprobs[i] for i in live], None
+            )
+            self._busy_s["decode_s"] += waited - start
+            self._busy_s["host_s"] += time.perf_counter() - waited
+        self._retire()
+
+    def _slot_sampling(self, rows: list[Sequence]) -> SlotSampling:
+        return SlotSampling(
+            temperature=[seq.request.params.temperature for seq in rows],
+            top_p=[seq.request.params.top_p for seq in rows],
+            top_k=[seq.request.params.top_k for seq in rows],
+            seeds=[seq.seed for seq in rows],
+            drawn=[len(seq.token_ids) for seq in rows],
+        )
+
+    def _filters(self, rows: list[Sequence]) -> tuple[bool, bool]:
+        return filters_needed(
+            [seq.request.params.top_k for seq in rows],
+            [seq.request.params.top_p for seq in rows],
+            self.vocab_size,
+        )
+
+    def _step_on_host(self, admitted: list[tuple[Request, list[Sequence]]]) -> None:
+        """Decode and/or prefill, drawing on the host's schedule: each step's tokens are read before the next
+        step starts (grammars, blocked tokens and top logprobs need them; other batch kinds always do)."""
+        self._rows_on_device = False
         if self._rows:
             start = time.perf_counter()
             logits = self._batch.decode([seq.pending for seq in self._rows])
+            self._decode_steps["host"] += 1
             self._append(self._rows, logits, "decode_s", start)
         if admitted:
             start = time.perf_counter()
-            self._prefills += 1
-            try:
-                images = [request.images for request, _ in admitted]
-                logits = self._batch.admit(
-                    [request.prompt_ids for request, _ in admitted],
-                    [len(seqs) for _, seqs in admitted],
-                    reserve=max(len(r.prompt_ids) + r.max_new_tokens for r, _ in admitted),
-                    **({"images": images} if any(x is not None for x in images) else {}),
-                )
-            except Exception as error:  # not running yet: _fail_running would not reach them
-                for request, _ in admitted:
-                    self._deliver(request, error)
-                raise
-            new_rows = [seq for _, seqs in admitted for seq in seqs]
+            logits, new_rows = self._prefill(admitted)
             self._append(new_rows, logits, "prefill_s", start)
             self._rows = self._rows + new_rows
         self._retire()
-        return hold
+
+    def _prefill(self, admitted: list[tuple[Request, list[Sequence]]]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Admit the requests' prompts to the batch; their rows' first logits and the rows."""
+        self._prefills += 1
+        try:
+            images = [request.images for request, _ in admitted]
+            logits = self._batch.admit(
+                [request.prompt_ids for request, _ in admitted],
+                [len(seqs) for _, seqs in admitted],
+                reserve=max(len(r.prompt_ids) + r.max_new_tokens for r, _ in admitted),
+                **({"images": images} if any(x is not None for x in images) else {}),
+            )
+        except Exception as error:  # not running yet: _fail_running would not reach them
+            for request, _ in admitted:
+                self._deliver(request, error)
+            raise
+        return logits, [seq for _, seqs in admitted for seq in seqs]
 
     def _append(self, rows: list[Sequence], logits: torch.Tensor, phase: str, start: float) -> None:
-        """Sample one token per row, record it, check stops, and deliver events.
+        """Sample one token per row on the host's schedule and record it.
 
         Time from `start` until the sampled ids reach the host (the device work) counts as `phase`; the
         per-row Python work before and after counts as host time."""
@@ -367,12 +460,24 @@ class EmbeddedEngine:
         step = select_tokens(logits, settings)
         synced = time.perf_counter()
         self._advance_matchers(rows, step.token_ids)
+        self._record(rows, step.token_ids, step.logprobs, step.top_logprobs)
+        self._busy_s[phase] += (host_start - start) + (synced - selected)
+        self._busy_s["host_s"] += (selected - host_start) + (time.perf_counter() - synced)
+
+    def _record(
+        self,
+        rows: list[Sequence],
+        token_ids: list[int],
+        logprobs: list[float],
+        top_logprobs: list[dict[int, float] | None] | None,
+    ) -> None:
+        """Append each row's drawn token, check stops, and deliver events."""
         events: dict[int, tuple[Request, list[StreamEvent]]] = {}
         for i, seq in enumerate(rows):
-            seq.token_ids.append(step.token_ids[i])
-            seq.logprobs.append(step.logprobs[i])
-            if step.top_logprobs[i] is not None:
-                seq.top_logprobs.append(step.top_logprobs[i])
+            seq.token_ids.append(token_ids[i])
+            seq.logprobs.append(logprobs[i])
+            if top_logprobs is not None and top_logprobs[i] is not None:
+                seq.top_logprobs.append(top_logprobs[i])
             at_limit = len(seq.request.prompt_ids) + len(seq.token_ids) >= self.max_model_len
             self._detok.check_finished(seq, at_limit)
             if seq.finish_reason or seq.request.stream:
@@ -380,8 +485,6 @@ class EmbeddedEngine:
         for request, request_events in events.values():
             self._deliver(request, request_events)
         now = time.monotonic()
-        self._busy_s[phase] += (host_start - start) + (synced - selected)
-        self._busy_s["host_s"] += (selected - host_start) + (time.perf_counter() - synced)
         self._tokens_generated += len(rows)
         self._recent.append((now, len(rows)))
         while self._recent and self._recent[0][0] < now - 10.0:
@@ -389,8 +492,14 @@ class EmbeddedEngine:
 
     def _blocked_below_min_tokens(self, seq: Sequence) -> tuple[int, ...]:
         """Below `min_tokens`, EOS (unless ignored) and stop tokens cannot be drawn, as in vLLM."""
-        params = seq.request.params
-        if len(seq.token_ids) >= params.min_tokens or seq.matcher is not None:  # a grammar decides its end
+        if (
+            len(seq.token_ids) >= seq.request.params.min_tokens or seq.matcher is not None
+        ):  # a grammar ends it
+            return ()
+        return self._blocked_below_min_tokens_of(seq.request.params)
+
+    def _blocked_below_min_tokens_of(self, params: SamplingParams) -> tuple[int, ...]:
+        if params.min_tokens <= 0:
             return ()
         eos = () if params.ignore_eos else tuple(self._detok.eos_token_ids)
         return eos + tuple(params.stop_token_ids)
@@ -457,7 +566,7 @@ class EmbeddedEngine:
                 self._waiting.clear()
         for request in failed.values():
             self._deliver(request, error)
-        self._rows = []
+        self._rows, self._in_flight, self._rows_on_device = [], [], False
         self._batch.clear()
 
     def decode(self, token_ids: list[int]) -> str:
@@ -564,6 +673,7 @@ class EmbeddedEngine:
             "tokens_generated": self._tokens_generated,
             "sequences_finished": self._sequences_finished,
             "prefills": self._prefills,
+            **{f"decode_steps_{where}": count for where, count in self._decode_steps.items()},
             **{f"busy_{name}": round(value, 4) for name, value in self._busy_s.items()},
             "throughput_tokens_per_s": round(throughput, 2),
             "kv_slots": self._batch.slots,

@@ -254,3 +254,32 @@ def test_arrivals_while_rows_run_are_batched_into_few_prefills(engine, prompts):
     prefills, outs = asyncio.run(run())
     assert all(len(out.token_ids) == 8 for (out,) in outs)
     assert prefills <= 3, prefills
+
+
+def test_draws_on_the_device_one_step_ahead_equal_the_host_schedule(engine, prompts):
+    """Seeded rows give the same tokens and logprobs whether they draw on the device one step ahead, or on the
+    host's schedule because a request with top logprobs shares the batch for a while (switching both ways)."""
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, seed=s, ignore_eos=True) for s in (1, 2)
+    ]
+
+    async def alone():
+        return await asyncio.gather(*[engine.generate(p, q) for p, q in zip(prompts, params, strict=False)])
+
+    async def interrupted():
+        calls = [asyncio.create_task(engine.generate(p, q)) for p, q in zip(prompts, params, strict=False)]
+        while engine.stats()["tokens_generated"] < before + 20:
+            await asyncio.sleep(0.001)
+        side = await engine.generate(prompts[2], SamplingParams(max_tokens=6, seed=9), top_logprobs=2)
+        return await asyncio.gather(*calls), side
+
+    first = engine.stats()
+    reference = asyncio.run(alone())
+    before = engine.stats()["tokens_generated"]
+    mixed, (side,) = asyncio.run(interrupted())
+    after = engine.stats()
+    assert [o.token_ids for (o,) in mixed] == [o.token_ids for (o,) in reference]
+    assert [o.logprobs for (o,) in mixed] == [o.logprobs for (o,) in reference]
+    assert len(side.top_logprobs) == 6
+    assert after["decode_steps_host"] - first["decode_steps_host"] >= 5  # the side request ran on the host
+    assert after["decode_steps_device"] - first["decode_steps_device"] >= 40 + 20  # before and after it

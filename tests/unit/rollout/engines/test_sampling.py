@@ -131,3 +131,45 @@ def test_allowed_bitmask_restricts_the_draw_and_logprobs_stay_raw():
         for p in range(40)
     }
     assert drawn == {31, 33}  # both allowed tokens are drawn: the mask renormalises, it does not pick
+
+
+def test_device_uniforms_equal_the_python_reference_bit_for_bit():
+    rng = __import__("random").Random(0)
+    seeds = [0, 1, 7, -1, -(2**63), 2**63 - 1, 2**64 - 1, 2**62 + 5] + [
+        rng.getrandbits(64) for _ in range(200)
+    ]
+    positions = [0, 1, 255, 2**31] + [rng.randrange(100_000) for _ in range(204)]
+    from agentrl.rollout.engines._sampling import as_int64, uniform_draws
+
+    device = uniform_draws(torch.tensor([as_int64(s) for s in seeds]), torch.tensor(positions))
+    reference = torch.tensor(
+        [uniform_draw(s, p) for s, p in zip(seeds, positions, strict=True)], dtype=torch.float32
+    )
+    assert torch.equal(device, reference)
+
+
+def test_draws_on_the_device_equal_select_tokens_for_plain_rows():
+    from agentrl.rollout.engines._sampling import as_int64, filters_needed, sample_on_device
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 3
+    rows = [
+        _row(temperature=0.0),
+        _row(temperature=1.0, seed=11, position=4),
+        _row(temperature=0.7, top_k=5, seed=2**62 + 3, position=90),
+        _row(temperature=1.3, top_p=0.8, seed=5, position=0),
+        _row(temperature=1.0, top_k=20, top_p=0.5, seed=-9, position=17),
+        _row(temperature=0.0, top_k=3),
+    ]
+    on_host = select_tokens(logits, rows)
+    chosen, logprobs = sample_on_device(
+        logits,
+        torch.tensor([r.temperature for r in rows]),
+        torch.tensor([r.top_p for r in rows]),
+        torch.tensor([r.top_k for r in rows]),
+        torch.tensor([as_int64(r.seed) for r in rows]),
+        torch.tensor([r.position for r in rows]),
+        filters_needed([r.top_k for r in rows], [r.top_p for r in rows], 300),
+    )
+    assert chosen.tolist() == on_host.token_ids
+    assert torch.allclose(logprobs.double(), torch.tensor(on_host.logprobs, dtype=torch.float64), atol=1e-6)
+    assert len(set(on_host.token_ids)) > 2  # the rows really differ
