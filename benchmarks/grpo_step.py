@@ -88,10 +88,12 @@ def run_agentrl(args: argparse.Namespace) -> dict:
     steps = [r for r in history if "timing/step" in r][1:]
     tokens = [r["response_length/mean"] * r["batch/rows"] for r in steps]
     parts = sorted({k for r in steps for k in r if k.startswith("timing/")})
+    counts = sorted({k for r in steps for k in r if k.startswith("rollout/engine_")})
     return {
         "parts_s": {
             k[len("timing/") :]: round(statistics.median(r.get(k, 0.0) for r in steps), 3) for k in parts
         },
+        "engine_counts": {k[len("rollout/engine_") :]: [r.get(k) for r in steps] for k in counts},
         "step_s": [r["timing/step"] for r in steps],
         "gen_s": [r["timing/gen"] for r in steps],
         "tokens": tokens,
@@ -241,6 +243,7 @@ def main() -> None:
     ratio = {k: round(table["trl"][k] / table["agentrl"][k], 2) for k in ("step_s", "gen_s", "train_s")}
     print(f"TRL / agentrl time (above 1: agentrl faster): {ratio}")
     print(f"agentrl step parts (median s, last run): {runs['agentrl'][-1]['parts_s']}")
+    print(f"agentrl engine counts per step (last run): {runs['agentrl'][-1]['engine_counts']}")
     print(json.dumps({"table": table, "ratio_trl_over_agentrl": ratio}))
 
 
