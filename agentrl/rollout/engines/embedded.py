@@ -330,11 +330,18 @@ class EmbeddedEngine:
         """One decode step of the running rows and/or one prefill of admitted requests; returns how long
         admission holds the waiting ones back when nothing ran (the scheduler then waits that long)."""
         admitted, hold = self._admit()
-        if self._can_draw_on_device(admitted):
-            self._step_on_device(admitted)
-        else:
-            self._read_in_flight()
-            self._step_on_host(admitted)
+        try:
+            if self._can_draw_on_device(admitted):
+                self._step_on_device(admitted)
+            else:
+                self._read_in_flight()
+                self._step_on_host(admitted)
+        except Exception as error:  # admitted requests not yet running: _fail_running would not reach them
+            running = {id(seq.request) for seq in self._rows}
+            for request, _ in admitted:
+                if id(request) not in running:
+                    self._deliver(request, error)
+            raise
         return hold
 
     def _can_draw_on_device(self, admitted: list[tuple[Request, list[Sequence]]]) -> bool:
@@ -423,18 +430,13 @@ class EmbeddedEngine:
     def _prefill(self, admitted: list[tuple[Request, list[Sequence]]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Admit the requests' prompts to the batch; their rows' first logits and the rows."""
         self._prefills += 1
-        try:
-            images = [request.images for request, _ in admitted]
-            logits = self._batch.admit(
-                [request.prompt_ids for request, _ in admitted],
-                [len(seqs) for _, seqs in admitted],
-                reserve=max(len(r.prompt_ids) + r.max_new_tokens for r, _ in admitted),
-                **({"images": images} if any(x is not None for x in images) else {}),
-            )
-        except Exception as error:  # not running yet: _fail_running would not reach them
-            for request, _ in admitted:
-                self._deliver(request, error)
-            raise
+        images = [request.images for request, _ in admitted]
+        logits = self._batch.admit(
+            [request.prompt_ids for request, _ in admitted],
+            [len(seqs) for _, seqs in admitted],
+            reserve=max(len(r.prompt_ids) + r.max_new_tokens for r, _ in admitted),
+            **({"images": images} if any(x is not None for x in images) else {}),
+        )
         return logits, [seq for _, seqs in admitted for seq in seqs]
 
     def _append(self, rows: list[Sequence], logits: torch.Tensor, phase: str, start: float) -> None:

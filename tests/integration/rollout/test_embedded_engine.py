@@ -283,3 +283,33 @@ def test_draws_on_the_device_one_step_ahead_equal_the_host_schedule(engine, prom
     assert len(side.top_logprobs) == 6
     assert after["decode_steps_host"] - first["decode_steps_host"] >= 5  # the side request ran on the host
     assert after["decode_steps_device"] - first["decode_steps_device"] >= 40 + 20  # before and after it
+
+
+def test_a_failed_step_costs_its_requests_not_the_engine(engine, prompts, monkeypatch):
+    """A step that fails fails the running requests and the ones it was admitting (none waits forever), and the
+    engine serves the next request."""
+    real_step, failures = engine._step_on_device, []
+
+    def failing_step(admitted):
+        if admitted and engine._rows and not failures:
+            failures.append(len(admitted))
+            raise RuntimeError("injected step failure")
+        return real_step(admitted)
+
+    monkeypatch.setattr(engine, "_step_on_device", failing_step)
+
+    async def run():
+        running = asyncio.create_task(
+            engine.generate(prompts[0], SamplingParams(max_tokens=100, ignore_eos=True, seed=1))
+        )
+        while engine.stats()["running"] == 0:
+            await asyncio.sleep(0.001)
+        arriving = asyncio.create_task(engine.generate(prompts[1], SamplingParams(max_tokens=5, seed=2)))
+        return await asyncio.wait_for(asyncio.gather(running, arriving, return_exceptions=True), timeout=60)
+
+    results = asyncio.run(run())
+    assert failures == [1]
+    assert all(isinstance(r, RuntimeError) and "injected" in str(r) for r in results), results
+    assert (
+        len(asyncio.run(engine.generate(prompts[2], SamplingParams(max_tokens=4, seed=3)))[0].token_ids) == 4
+    )
