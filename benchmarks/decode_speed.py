@@ -62,20 +62,13 @@ def roofline_ms(model: torch.nn.Module, rows: int, length: int, bandwidth: float
     return 1000 * (weights + rows * length * KVShape.of(model).bytes_per_token()) / bandwidth
 
 
-class HostScheduleEngine(EmbeddedEngine):
-    """The engine with every row drawn on the host's schedule (what rows with grammars or top logprobs get)."""
-
-    def _can_draw_on_device(self, admitted) -> bool:
-        return False
-
-
 def engine_throughput(
     model, tokenizer, args, cuda_graphs: bool, compile_decode: bool = False, host_schedule: bool = False
 ) -> dict[str, float]:
     n = args.sequences // 16
-    engine = (HostScheduleEngine if host_schedule else EmbeddedEngine)(
+    engine = EmbeddedEngine(
         model, tokenizer, max_num_seqs=args.sequences, max_model_len=args.prompt_len + args.max_tokens + 8,
-        cuda_graphs=cuda_graphs, compile_decode=compile_decode,
+        cuda_graphs=cuda_graphs, compile_decode=compile_decode, draw_on_device=not host_schedule,
     )  # fmt: skip
     prompts = [[(13 * p + 7 * i) % 1000 + 10 for i in range(args.prompt_len)] for p in range(16)]
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=n, ignore_eos=True, seed=1)

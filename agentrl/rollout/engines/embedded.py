@@ -92,14 +92,17 @@ class EmbeddedEngine:
         cuda_graphs: bool = True,
         compile_decode: bool = False,
         owns_weights: bool = True,
+        draw_on_device: bool = True,
     ) -> None:
         """`image_processor`: a vision-language model's (loaded from the model's folder when None).
         `cuda_graphs=False` decodes eagerly (verl's `enforce_eager`); it only matters on CUDA.
         `compile_decode`: the slot path's decode step goes through torch.compile before its graphs are captured.
         `owns_weights=False`: `model` is the trainer's own module (the hybrid engine shares one copy of the
-        weights): sleep frees only the KV cache, and the weights stay where training needs them."""
+        weights): sleep frees only the KV cache, and the weights stay where training needs them.
+        `draw_on_device=False`: every row draws on the host's schedule (`_step_on_host`), one step at a time."""
         self.model = model.eval()
         self.owns_weights = owns_weights
+        self.draw_on_device = draw_on_device
         self.image_processor = image_processor
         if image_processor is None and is_vision_language(model):
             self.image_processor = load_image_processor(model.name_or_path)
@@ -346,7 +349,8 @@ class EmbeddedEngine:
 
     def _can_draw_on_device(self, admitted: list[tuple[Request, list[Sequence]]]) -> bool:
         return (
-            isinstance(self._batch, SlotBatch)
+            self.draw_on_device
+            and isinstance(self._batch, SlotBatch)
             and all(seq.request.draws_on_device for seq in self._rows)
             and all(request.draws_on_device for request, _ in admitted)
         )

@@ -85,6 +85,7 @@ def start_embedded_serving(
         max_model_len=rollout.max_model_len,
         cuda_graphs=not rollout.enforce_eager,
         compile_decode=rollout.compile_decode and not rollout.enforce_eager,
+        draw_on_device=rollout.draw_on_device,
         owns_weights=policy is None,
     )
     name = served_model_name(config)

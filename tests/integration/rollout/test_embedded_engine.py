@@ -313,3 +313,21 @@ def test_a_failed_step_costs_its_requests_not_the_engine(engine, prompts, monkey
     assert (
         len(asyncio.run(engine.generate(prompts[2], SamplingParams(max_tokens=4, seed=3)))[0].token_ids) == 4
     )
+
+
+def test_draw_on_device_off_reads_every_step_on_the_host_and_draws_the_same(
+    engine, model, tokenizer, prompts
+):
+    params = SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=4, ignore_eos=True)
+    host = EmbeddedEngine(
+        copy.deepcopy(model), tokenizer, max_num_seqs=16, max_model_len=128, draw_on_device=False
+    )
+    try:
+        on_host = asyncio.run(host.generate(prompts[1], params))
+        assert host.stats()["decode_steps_device"] == 0 and host.stats()["decode_steps_host"] >= 11
+    finally:
+        host.close()
+    on_device = asyncio.run(engine.generate(prompts[1], params))
+    assert engine.stats()["decode_steps_host"] == 0 and engine.stats()["decode_steps_device"] >= 11
+    assert [o.token_ids for o in on_device] == [o.token_ids for o in on_host]
+    assert [o.logprobs for o in on_device] == [o.logprobs for o in on_host]
