@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # GPU checks on a device machine (docs/development.md), from the repo root, after the packed packages:
-#   source .device/prelude.sh && bash scripts/gpu_check.sh tests|full|lora|ray1|offload [OUT_DIR]
+#   source .device/prelude.sh && bash scripts/gpu_check.sh tests|full|lora|ray1|offload|watch [OUT_DIR]
 # tests: pytest tests/gpu. full/lora: 10 GRPO steps on the Qwen2.5-0.5B shape (bf16, 16 prompts x 8 answers x
 # 256 tokens, local backend). ray1/ray2: 3 steps on the Ray backend with FSDP2 on 1/2 GPUs. offload: 2 steps of the
 # 1.5B shape with parameter offload (64-token answers). STEPS=N changes the 10 steps of full and lora.
+# watch: agentrl's side of benchmarks/grpo_step.py (STEPS, default 6) with Python's fault handler on; when no step
+# ends for 50 s it dumps every thread's stack into $out/watch.log (a stall's where, in one call).
 set -uo pipefail
 what=$1
 out=${2:-${OUT:-outputs/gpu}}
@@ -28,6 +30,19 @@ peak = max(r.get("perf/max_memory_allocated_gb", 0.0) for r in rows)
 print(f"median step {statistics.median(steps):.2f} s (steps 2..), peak {peak:.1f} GiB allocated per GPU")
 PY
 }
+watch() {
+  local log=$out/watch.log pid last=0 seen=$SECONDS n
+  PYTHONFAULTHANDLER=1 python benchmarks/grpo_step.py --only agentrl --steps "${STEPS:-6}" >"$log" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 3
+    n=$(grep -c "^step" "$log")
+    if [ "$n" != "$last" ]; then last=$n; seen=$SECONDS; fi
+    if [ $((SECONDS - seen)) -gt 50 ]; then echo "no step ended for 50 s after step $n: stacks in $log"; kill -ABRT "$pid"; sleep 3; break; fi
+  done
+  grep -E "^step|RESULT" "$log" | cut -c1-400
+  grep -E "ERROR|Traceback|Thread 0x|Current thread" -A12 "$log" | grep -v "site-packages/torch/nn" | cut -c1-200 | head -120
+}
 case $what in
   tests) python -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
   full) train ;;
@@ -37,5 +52,6 @@ case $what in
   offload) train trainer.backend=ray trainer.total_training_steps=2 actor_rollout_ref.model.path=tiny:qwen2.5-1.5b-shape \
     actor_rollout_ref.actor.fsdp_config.param_offload=true actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 \
     data.max_response_length=64 ;;
+  watch) watch ;;
   *) echo "unknown check $what" >&2; exit 2 ;;
 esac
