@@ -4,8 +4,9 @@
 # tests: pytest tests/gpu. full/lora: 10 GRPO steps on the Qwen2.5-0.5B shape (bf16, 16 prompts x 8 answers x
 # 256 tokens, local backend). ray1/ray2: 3 steps on the Ray backend with FSDP2 on 1/2 GPUs. offload: 2 steps of the
 # 1.5B shape with parameter offload (64-token answers). STEPS=N changes the 10 steps of full and lora.
-# watch: agentrl's side of benchmarks/grpo_step.py (STEPS, default 6) with Python's fault handler on; when no step
-# ends for 50 s it dumps every thread's stack into $out/watch.log (a stall's where, in one call).
+# watch: agentrl's side of benchmarks/grpo_step.py (STEPS, default 6; GRPO_ARGS adds its options) with Python's
+# fault handler on; when no step ends for STALL_S seconds (default 50) it dumps every thread's stack into
+# $out/watch.log (a stall's where, in one call).
 set -uo pipefail
 what=$1
 out=${2:-${OUT:-outputs/gpu}}
@@ -32,13 +33,16 @@ PY
 }
 watch() {
   local log=$out/watch.log pid last=0 seen=$SECONDS n
-  PYTHONFAULTHANDLER=1 python benchmarks/grpo_step.py --only agentrl --steps "${STEPS:-6}" >"$log" 2>&1 &
+  # shellcheck disable=SC2086  # GRPO_ARGS is a list of options
+  PYTHONFAULTHANDLER=1 python benchmarks/grpo_step.py --only agentrl --steps "${STEPS:-6}" ${GRPO_ARGS:-} >"$log" 2>&1 &
   pid=$!
   while kill -0 "$pid" 2>/dev/null; do
     sleep 3
     n=$(grep -c "^step" "$log")
     if [ "$n" != "$last" ]; then last=$n; seen=$SECONDS; fi
-    if [ $((SECONDS - seen)) -gt 50 ]; then echo "no step ended for 50 s after step $n: stacks in $log"; kill -ABRT "$pid"; sleep 3; break; fi
+    if [ $((SECONDS - seen)) -gt "${STALL_S:-50}" ]; then
+      echo "no step ended for ${STALL_S:-50} s after step $n: stacks in $log"; kill -ABRT "$pid"; sleep 3; break
+    fi
   done
   grep -E "^step|RESULT" "$log" | cut -c1-400
   grep -E "ERROR|Traceback|Thread 0x|Current thread" -A12 "$log" | grep -v "site-packages/torch/nn" | cut -c1-200 | head -120

@@ -206,9 +206,7 @@ class SlotBatch:
 
     def _set_slots(self, slots: list[int], target: torch.Tensor, values: list) -> None:
         index = torch.tensor(slots, device=self.device)
-        target.index_copy_(
-            0, index, torch.tensor(values, dtype=target.dtype).to(self.device, non_blocking=True)
-        )
+        target.index_copy_(0, index, torch.tensor(values, dtype=target.dtype, device=self.device))
 
     # ----- decoding without a host round trip ------------------------------------------------------
     def load_rows(self, start: int, sampling: SlotSampling, tokens: list[int] | None = None) -> None:

@@ -133,8 +133,9 @@ class EmbeddedEngine:
         and the per-row Python work around them (settings, stop checks, events)."""
         self._recent: deque[tuple[float, int]] = deque()
         self._grammars: GrammarCompiler | None = None
-        self._in_flight: list[tuple[list[Sequence], DeviceDraw]] = []
-        """Draws launched on the device and not read yet, oldest first (`_step_on_device`)."""
+        self._in_flight: list[tuple[list[Sequence], DeviceDraw, str]] = []
+        """Draws launched on the device and not read yet, oldest first, with the phase (`_busy_s` key) that
+        waiting for them counts as (`_step_on_device`)."""
         self._rows_on_device = False
         """Whether the device holds every row's pending token, position and draw counter."""
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
@@ -368,24 +369,25 @@ class EmbeddedEngine:
             launched = batch.decode_sampled(self._filters(self._rows))
             self._decode_steps["device"] += 1
             self._busy_s["decode_s"] += time.perf_counter() - start
-            self._read_in_flight(then_keep=(self._rows, launched))
+            self._read_in_flight(then_keep=(self._rows, launched, "decode_s"))
         if admitted:
             start = time.perf_counter()
             logits, new_rows = self._prefill(admitted)
             first = len(self._rows)
             self._rows = self._rows + new_rows
             batch.load_rows(first, self._slot_sampling(new_rows))
-            self._in_flight.append((new_rows, batch.draw_first(logits, first, self._filters(new_rows))))
+            first_draw = batch.draw_first(logits, first, self._filters(new_rows))
+            self._in_flight.append((new_rows, first_draw, "prefill_s"))
             self._busy_s["prefill_s"] += time.perf_counter() - start
         self._rows_on_device = True
         if not self._rows:
             self._read_in_flight()  # every row of the launched step finished: nothing to wait for later
 
-    def _read_in_flight(self, then_keep: tuple[list[Sequence], DeviceDraw] | None = None) -> None:
+    def _read_in_flight(self, then_keep: tuple[list[Sequence], DeviceDraw, str] | None = None) -> None:
         """Record the draws launched earlier (oldest first) and retire finished rows; `then_keep` stays in
         flight."""
         pending, self._in_flight = self._in_flight, [then_keep] if then_keep else []
-        for rows, draw in pending:
+        for rows, draw, phase in pending:
             start = time.perf_counter()
             token_ids, logprobs = draw.read()
             waited = time.perf_counter()
@@ -395,7 +397,7 @@ class EmbeddedEngine:
             self._record(
                 [rows[i] for i in live], [token_ids[i] for i in live], [logprobs[i] for i in live], None
             )
-            self._busy_s["decode_s"] += waited - start
+            self._busy_s[phase] += waited - start
             self._busy_s["host_s"] += time.perf_counter() - waited
         self._retire()
 
