@@ -88,12 +88,12 @@ def run_agentrl(args: argparse.Namespace) -> dict:
     steps = [r for r in history if "timing/step" in r][1:]
     tokens = [r["response_length/mean"] * r["batch/rows"] for r in steps]
     parts = sorted({k for r in steps for k in r if k.startswith("timing/")})
-    counts = sorted({k for r in steps for k in r if k.startswith("rollout/engine_")})
+    counts = sorted({k for r in steps for k in r if k.startswith("perf/engine_")})
     return {
         "parts_s": {
             k[len("timing/") :]: round(statistics.median(r.get(k, 0.0) for r in steps), 3) for k in parts
         },
-        "engine_counts": {k[len("rollout/engine_") :]: [r.get(k) for r in steps] for k in counts},
+        "engine_counts": {k[len("perf/engine_") :]: [r.get(k) for r in steps] for k in counts},
         "step_s": [r["timing/step"] for r in steps],
         "gen_s": [r["timing/gen"] for r in steps],
         "tokens": tokens,

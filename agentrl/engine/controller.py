@@ -57,14 +57,14 @@ log = logging.getLogger(__name__)
 def _engine_timing(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict[str, float]:
     """Where the generation phase went inside the embedded engines (the slowest worker's):
     `timing/engine_prefill`, `timing/engine_decode` (forwards and sampling) and `timing/engine_host` (the
-    scheduler's per-row Python work) in seconds; `rollout/engine_prefills`, `rollout/engine_decode_steps_device`
-    and `rollout/engine_decode_steps_host` as counts. The rest of `timing/gen` is the agents, the gateway and
+    scheduler's per-row Python work) in seconds; `perf/engine_prefills`, `perf/engine_decode_steps_device`
+    and `perf/engine_decode_steps_host` as counts. The rest of `timing/gen` is the agents, the gateway and
     waiting."""
     timing: dict[str, float] = {}
     for start, end in zip(before, after, strict=True):
         for key, value in end.items():
             name = (
-                f"timing/engine_{key.removesuffix('_s')}" if key.endswith("_s") else f"rollout/engine_{key}"
+                f"timing/engine_{key.removesuffix('_s')}" if key.endswith("_s") else f"perf/engine_{key}"
             )
             timing[name] = max(timing.get(name, 0.0), value - start.get(key, 0.0))
     return timing

@@ -80,9 +80,9 @@ def test_two_ray_workers_match_the_local_backend(tmp_path, warm_model):
         assert ray.metrics[key] == pytest.approx(local.metrics[key], rel=1e-3), key
     assert local.metrics["actor/grad_norm"] > 0
     for run in (local, ray):  # the engines report where generation went, and drew on the device
-        assert run.metrics["rollout/engine_prefills"] >= 1 and run.metrics["timing/engine_decode"] > 0
-        assert run.metrics["rollout/engine_decode_steps_device"] > 0
-        assert run.metrics["rollout/engine_decode_steps_host"] == 0
+        assert run.metrics["perf/engine_prefills"] >= 1 and run.metrics["timing/engine_decode"] > 0
+        assert run.metrics["perf/engine_decode_steps_device"] > 0
+        assert run.metrics["perf/engine_decode_steps_host"] == 0
     assert (tmp_path / "ray" / "checkpoints" / "global_step_1" / "actor_dcp").is_dir()
     assert (tmp_path / "ray" / "hf_model" / "model.safetensors").is_file()
     assert not _ray_processes(), "Ray was left running after the run ended"
