@@ -161,8 +161,9 @@ class AgentConfig(_Section):
     """`package.module:Name` of the Evaluator `agentrl train` scores episodes with."""
     max_steps: int = Field(8, ge=1)
     """Most model calls (turns) per episode."""
-    n_parallel_tasks: int = Field(64, ge=1)
-    """Episodes run concurrently."""
+    n_parallel_tasks: int | None = Field(None, ge=1)
+    """Episodes run concurrently; null: as many as the rollout engines decode at once (rollout.max_num_seqs per
+    engine), so one step's episodes share one engine batch instead of queueing in waves."""
     retry_limit: int = Field(1, ge=1)
     """Attempts per episode when the flow raises (1 = no retry)."""
     timeout: float = Field(120.0, gt=0.0)

@@ -196,7 +196,7 @@ class Controller:
             self.stack.model_name,
             CollectorLimits(
                 max_steps=cfg.agent.max_steps,
-                n_parallel_tasks=cfg.agent.n_parallel_tasks,
+                n_parallel_tasks=cfg.agent.n_parallel_tasks or arr.rollout.max_num_seqs * len(urls),
                 retry_limit=cfg.agent.retry_limit,
                 timeout=cfg.agent.timeout,
                 max_prompt_length=cfg.data.max_prompt_length,
