@@ -162,8 +162,7 @@ class AgentConfig(_Section):
     max_steps: int = Field(8, ge=1)
     """Most model calls (turns) per episode."""
     n_parallel_tasks: int | None = Field(None, ge=1)
-    """Episodes run concurrently; null: as many as the rollout engines decode at once (rollout.max_num_seqs per
-    engine), so one step's episodes share one engine batch instead of queueing in waves."""
+    """Episodes run concurrently; null: as many as the rollout engines decode at once (max_num_seqs each)."""
     retry_limit: int = Field(1, ge=1)
     """Attempts per episode when the flow raises (1 = no retry)."""
     timeout: float = Field(120.0, gt=0.0)
