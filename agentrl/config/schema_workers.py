@@ -184,6 +184,8 @@ class RolloutConfig(_Section):
     """Embedded engine, slot path: draw plain rows' tokens on the device and launch each decode step before the previous step's tokens reach the host (false: read every step's tokens first)."""
     free_cache_engine: bool = True
     """Free the engine's KV cache while training (hybrid engine sleep/wake)."""
+    log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
+    """Rows per old-log-prob forward (the actor's pass before the update) on one device."""
     num_servers: int = Field(1, ge=1)
     """Inference servers behind the rollout pool."""
     max_n_per_request: int = Field(16, ge=1)

@@ -63,9 +63,7 @@ def _engine_timing(before: list[dict[str, float]], after: list[dict[str, float]]
     timing: dict[str, float] = {}
     for start, end in zip(before, after, strict=True):
         for key, value in end.items():
-            name = (
-                f"timing/engine_{key.removesuffix('_s')}" if key.endswith("_s") else f"perf/engine_{key}"
-            )
+            name = f"timing/engine_{key.removesuffix('_s')}" if key.endswith("_s") else f"perf/engine_{key}"
             timing[name] = max(timing.get(name, 0.0), value - start.get(key, 0.0))
     return timing
 

@@ -209,16 +209,21 @@ class PolicyWorker:
         """Old log-probs of the current actor, for the PPO ratio (entropy is measured in the update)."""
         self.actor.eval()
         return {
-            "old_log_probs": self._map_micro_batches(batch, lambda mb: compute_log_probs(self.actor, mb))[0]
+            "old_log_probs": self._map_micro_batches(
+                batch,
+                lambda mb: compute_log_probs(self.actor, mb),
+                self.config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
+            )[0]
         }
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
         """Log-probs under the reference policy (the initial weights; for LoRA, adapters off)."""
+        size = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
         if self.ref is not None:
-            return self._map_micro_batches(batch, lambda mb: compute_log_probs(self.ref, mb))[0]
+            return self._map_micro_batches(batch, lambda mb: compute_log_probs(self.ref, mb), size)[0]
         with adapters_disabled(self.actor):
-            return self._map_micro_batches(batch, lambda mb: compute_log_probs(self.actor, mb))[0]
+            return self._map_micro_batches(batch, lambda mb: compute_log_probs(self.actor, mb), size)[0]
 
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:
         """PPO epochs over mini-batches; one optimizer step per mini-batch; one LR step per call."""
@@ -292,9 +297,9 @@ class PolicyWorker:
         stats["actor/loss"] = loss.item()
         return loss, stats
 
-    def _map_micro_batches(self, batch: TrainBatch, fn) -> tuple[torch.Tensor, ...]:
-        """Run `fn` over micro-batches of `batch` and stitch the (B, L) outputs back together."""
-        size = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+    @staticmethod
+    def _map_micro_batches(batch: TrainBatch, fn, size: int) -> tuple[torch.Tensor, ...]:
+        """Run `fn` over micro-batches of `size` rows of `batch` and stitch the (B, L) outputs back together."""
         length = batch.input_ids.shape[1]
         parts: list[tuple] = []
         for rows in torch.split(torch.arange(len(batch)), size):

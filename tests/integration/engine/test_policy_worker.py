@@ -215,3 +215,26 @@ def test_a_non_finite_gradient_skips_the_optimizer_step_and_is_counted(worker, m
     for name, param in worker.actor.named_parameters():
         assert torch.equal(param, before[name]), name
     worker.sync_weights()  # the served weights stay what they were, and match
+
+
+def test_old_log_probs_run_in_micro_batches_of_the_rollout_key_and_match_one_pass(shared_worker, monkeypatch):
+    """`rollout.log_prob_micro_batch_size_per_gpu` sets the old-log-prob forwards (4 rows: 2, 2 then 4), and
+    the stitched result equals one pass over the batch (the padding a micro-batch drops holds 0)."""
+    worker = shared_worker
+    batch = _batch(worker.tokenizer_pad_id())
+    forwards = []
+    hook = worker.actor.register_forward_hook(
+        lambda _m, args, kwargs, _o: forwards.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
+    try:
+        results = {}
+        for size in (2, 4):
+            monkeypatch.setattr(
+                worker.config.actor_rollout_ref.rollout, "log_prob_micro_batch_size_per_gpu", size
+            )
+            results[size] = worker.compute_log_prob(batch)["old_log_probs"]
+    finally:
+        hook.remove()
+    assert forwards == [2, 2, 4]
+    torch.testing.assert_close(results[2], results[4], atol=1e-5, rtol=0)
+    assert results[4][batch.response_mask.bool()].abs().min() > 0
