@@ -211,7 +211,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=64, help="agentrl rows per forward/backward (TRL: all at once)")
+    parser.add_argument(
+        "--micro-batch", type=int, default=64, help="agentrl rows per forward/backward (TRL: all at once)"
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", choices=["agentrl", "trl"], help="internal: run one trainer, print JSON")

@@ -19,6 +19,8 @@ Rows are measured round-robin `--repeats` times; the median wall time is reporte
 and completion tokens/s. The split below the table is the difference between adjacent rows.
 
     .venv/bin/python benchmarks/rollout_overhead.py [--model tiny:qwen2] [--calls 64] [--tokens 16]
+    python benchmarks/rollout_overhead.py --model tiny:qwen2.5-0.5b-shape --device cuda --dtype bfloat16 \
+        --calls 128 --tokens 256 --rows hf-generate engine server-asgi gateway-asgi collector-asgi   # GPU
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def run_hf_generate(model, tokenizer, prompts: list[list[int]], tokens: int) -> 
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=tokens,
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), do_sample=True, max_new_tokens=tokens,
                              min_new_tokens=tokens, pad_token_id=pad)  # fmt: skip
     return int(out[:, width:].numel())
 
@@ -141,15 +143,24 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16, help="completion tokens per call (fixed)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rows", nargs="+", help="measure only these rows (names as in the table)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     tokenizer = load_tokenizer(args.model)
-    model = load_causal_lm(args.model)
+    model = load_causal_lm(args.model, dtype=args.dtype, device=args.device)
     conversations = build_messages(args.calls)
     prompts = [render_chat(tokenizer, m) for m in conversations]
-    engine = EmbeddedEngine(model, tokenizer, max_num_seqs=max(64, args.calls), max_model_len=512)
+    engine = EmbeddedEngine(
+        model,
+        tokenizer,
+        max_num_seqs=max(64, args.calls),
+        max_model_len=512,
+        compile_decode=args.device == "cuda",  # what training runs on a GPU (rollout.compile_decode)
+    )
     app = build_server_app(engine, tokenizer, model_name=MODEL_NAME, max_model_len=512, max_n=1)
     server = start_server_in_thread(app)
     via_tcp = build_gateway(server.url, args.tokens, in_process=False)
@@ -168,6 +179,12 @@ def main() -> int:
         "collector-inproc": lambda: run_collector(in_proc, conversations, n),
         "collector-asgi": lambda: run_collector(in_proc, conversations, n, in_process=True),
     }
+
+    if args.rows:
+        unknown = sorted(set(args.rows) - set(rows))
+        if unknown:
+            parser.error(f"unknown --rows {unknown}; choose from {list(rows)}")
+        rows = {name: fn for name, fn in rows.items() if name in args.rows}
 
     def once(fn: Callable[[], Awaitable[int] | int]) -> tuple[float, int]:
         start = time.perf_counter()
@@ -194,11 +211,10 @@ def main() -> int:
         engine.close()
 
     median = {name: statistics.median(w) for name, w in walls.items()}
+    base = median.get("engine", next(iter(median.values())))
     print(f"{'path':<18}{'wall s':>9}{'ms/call':>9}{'tok/s':>9}{'x engine':>10}")
     for name, wall in median.items():
-        print(
-            f"{name:<18}{wall:>9.3f}{1000 * wall / n:>9.1f}{n * t / wall:>9.0f}{wall / median['engine']:>10.2f}"
-        )
+        print(f"{name:<18}{wall:>9.3f}{1000 * wall / n:>9.1f}{n * t / wall:>9.0f}{wall / base:>10.2f}")
     steps = [("scheduler vs one static batch", "hf-generate", "engine"),
              ("server work (validation, template, JSON)", "engine", "server-asgi"),
              ("client -> server TCP hop", "server-asgi", "server-http"),
@@ -211,6 +227,8 @@ def main() -> int:
              ("collector -> gateway TCP hop", "collector-asgi", "collector-inproc")]  # fmt: skip
     print("\nsplit (difference of median wall times, s):")
     for label, a, b in steps:
+        if a not in median or b not in median:
+            continue
         print(f"  {label:<42}{median[b] - median[a]:>+8.3f}")
     return 0
 

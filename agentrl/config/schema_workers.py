@@ -103,6 +103,8 @@ class ActorConfig(_Section):
     """How token losses are averaged into the batch loss."""
     entropy_coeff: float = 0.0
     """Entropy bonus weight (0 disables)."""
+    use_torch_compile: bool = True
+    """On CUDA, torch.compile the log-prob and entropy math over each chunk of logits (falls back to eager if it fails)."""
     use_kl_loss: bool = False
     """Add a KL(policy || reference) term to the actor loss (GRPO style)."""
     kl_loss_coef: float = Field(0.001, ge=0.0)

@@ -5,7 +5,8 @@ and the value of token t is the critic's estimate of the state before it (its ou
 has no prediction and holds 0; it is never a response token.
 
 Log-probs and entropy are computed inside the model's output head, on response tokens only, a chunk of
-tokens at a time, each chunk under activation checkpointing: the (B, L, V) logits are never materialised, in
+tokens at a time, each chunk's logits recomputed in the backward pass (`_ChunkStats`): the (B, L, V) logits are
+never materialised, in
 the compute dtype or in float32 (for a 151,936-token vocabulary, 16 rows x 400 tokens of float32 logits are
 3.9 GB, and their softmax and gradient as much again). Prompt and padding positions, which no loss reads,
 cost nothing and hold 0. The head's forward is swapped for the duration of the call (not its module), so
@@ -15,16 +16,17 @@ forward changes the logits after the head (soft-capping, logit scales) keep the 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from agentrl.algorithms.losses import compute_entropy_from_logits, compute_token_log_probs
 from agentrl.engine.assembly import TrainBatch
 from agentrl.engine.fsdp import compute_device
 
+logger = logging.getLogger(__name__)
 CHUNK_ELEMENTS = 1 << 25
 """Float32 logits per chunk (128 MiB, 220 tokens of a 151,936-token vocabulary). A chunk's backward holds
 several tensors of this size (the logits, their softmax, the entropy's terms and their gradients), so this sets
@@ -43,13 +45,19 @@ def _shift_right(values: torch.Tensor) -> torch.Tensor:
 
 
 def compute_log_probs(
-    model: torch.nn.Module, batch: TrainBatch, *, with_entropy: bool = False, entropy_grad: bool = True
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    compile_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, L) log-probs of each response token under `model`, and (B, L) entropies when asked.
 
     Positions outside `batch.response_mask` hold 0 on the chunked path (every loss masks them out).
-    `entropy_grad=False`: the entropy is only logged (no entropy bonus), so the chunked path computes it without
-    autograd, once per chunk, instead of saving it for the backward pass and recomputing it there.
+    `entropy_grad=False`: the entropy is only logged (no entropy bonus): no gradient flows from it.
+    `compile_head`: the chunked path's per-logit math goes through torch.compile (CUDA: one fused pass over each
+    chunk's logits instead of ~10; `actor_rollout_ref.actor.use_torch_compile`).
     """
     device = compute_device(model)
     input_ids = batch.input_ids.to(device)
@@ -63,7 +71,8 @@ def compute_log_probs(
         entropy = _shift_right(compute_entropy_from_logits(logits)) if with_entropy else None
         return log_probs, entropy
     wanted = batch.response_mask.to(device).bool()[:, 1:]
-    with _token_head(head, input_ids[:, 1:], wanted, with_entropy, entropy_grad):
+    math = _compiled_math() if compile_head else (logit_stats, logit_grad)
+    with _token_head(head, input_ids[:, 1:], wanted, entropy_grad, math):
         out = model(input_ids=input_ids, attention_mask=attention, use_cache=False, **images).logits
     log_probs = _shift_right(out[..., 0])
     return log_probs, _shift_right(out[..., 1]) if with_entropy else None
@@ -84,23 +93,19 @@ def _chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
 
 @contextmanager
 def _token_head(
-    head: torch.nn.Linear, targets: torch.Tensor, wanted: torch.Tensor, with_entropy: bool, entropy_grad: bool
+    head: torch.nn.Linear, targets: torch.Tensor, wanted: torch.Tensor, entropy_grad: bool, math
 ) -> Iterator[None]:
     """Make `head` return, for hidden states (B, L, H), a (B, L-1, 2) tensor of [log-prob, entropy] per token.
 
-    `targets` (B, L-1): the token each position predicts; `wanted` (B, L-1) bool: the positions to compute.
+    `targets` (B, L-1): the token each position predicts; `wanted` (B, L-1) bool: the positions to compute;
+    `math`: (`logit_stats`, `logit_grad`), compiled or not.
     """
 
     def chunk_stats(hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return _token_stats(hidden, head.weight, head.bias, ids, with_entropy)
-        both = with_entropy and entropy_grad
-        stats = checkpoint(_token_stats, hidden, head.weight, head.bias, ids, both, use_reentrant=False)
-        if with_entropy and not entropy_grad:
-            with torch.no_grad():
-                entropy = _token_stats(hidden, head.weight, head.bias, ids, True)[:, 1]
-            stats = torch.stack([stats[:, 0], entropy], dim=1)
-        return stats
+            _, log_probs, entropy = math[0](torch.nn.functional.linear(hidden, head.weight, head.bias), ids)
+            return torch.stack([log_probs, entropy], dim=1)
+        return _ChunkStats.apply(hidden, head.weight, head.bias, ids, entropy_grad, math)
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden[:, :-1]
@@ -126,18 +131,97 @@ def _token_head(
         del head.forward
 
 
-def _token_stats(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+def logit_stats(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N,) float32 log-sum-exp, log p(ids) and entropy of (N, V) logits.
+
+    H = lse - sum_v p_v z_v, which needs no log of a zero probability."""
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    log_probs = z.gather(1, ids.unsqueeze(1)).squeeze(1) - lse
+    entropy = lse - (torch.exp(z - lse.unsqueeze(1)) * z).sum(-1)
+    return lse, log_probs, entropy
+
+
+def logit_grad(
+    logits: torch.Tensor,
     ids: torch.Tensor,
-    with_entropy: bool,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_log_probs: torch.Tensor,
+    grad_entropy: torch.Tensor,
 ) -> torch.Tensor:
-    """(N, 2) float32 [log p(ids), entropy] from N hidden states: one chunk's logits, freed after use."""
-    logits = torch.nn.functional.linear(hidden, weight, bias).float()
-    log_probs = compute_token_log_probs(logits, ids)
-    entropy = compute_entropy_from_logits(logits) if with_entropy else torch.zeros_like(log_probs)
-    return torch.stack([log_probs, entropy], dim=1)
+    """The loss's gradient with respect to (N, V) logits, in their dtype, given its gradients with respect to
+    log p(ids) and the entropy (N,): with log p = z - lse,
+        d log p(id) / dz = onehot(id) - p,        d H / dz = -p (log p + H)."""
+    log_p = logits.float() - lse.unsqueeze(1)
+    p = log_p.exp()
+    onehot = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0) == ids.unsqueeze(1)
+    grad = grad_log_probs.unsqueeze(1) * (onehot.float() - p)
+    grad = grad - grad_entropy.unsqueeze(1) * p * (log_p + entropy.unsqueeze(1))
+    return grad.to(logits.dtype)
+
+
+_COMPILED_MATH = None
+
+
+def _compiled_math():
+    """`logit_stats` and `logit_grad` through torch.compile, once per process (symbolic in the chunk's size)."""
+    global _COMPILED_MATH
+    if _COMPILED_MATH is None:
+        _COMPILED_MATH = tuple(
+            _plain_if_compile_fails(torch.compile(fn, dynamic=True), fn) for fn in (logit_stats, logit_grad)
+        )
+    return _COMPILED_MATH
+
+
+def _plain_if_compile_fails(compiled, plain):
+    """`compiled`, or from its first failure on (a machine without a working Triton), `plain`, loudly."""
+    current = [compiled]
+
+    def call(*args):
+        try:
+            return current[0](*args)
+        except Exception:
+            if current[0] is plain:
+                raise
+            logger.warning(
+                "torch.compile of %s failed; using the plain function "
+                "(actor_rollout_ref.actor.use_torch_compile=false skips compiling)",
+                plain.__name__,
+                exc_info=True,
+            )
+            current[0] = plain
+            return plain(*args)
+
+    return call
+
+
+class _ChunkStats(torch.autograd.Function):
+    """[log p(ids), entropy] (N, 2) of one chunk of hidden states, with a backward that recomputes its logits.
+
+    The forward computes the logits once for both numbers and keeps only the hidden states, the log-sum-exp and
+    the entropy; the backward recomputes the logits (one matmul) and forms their gradient directly
+    (`logit_grad`). Checkpointing the autograd graph instead ran the chunk's forward twice (three times with a
+    logged-only entropy), and autograd's log-softmax backward made several more passes over the (N, V) logits.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, entropy_grad: bool, math):
+        lse, log_probs, entropy = math[0](torch.nn.functional.linear(hidden, weight, bias), ids)
+        ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
+        ctx.entropy_grad, ctx.math = entropy_grad, math
+        return torch.stack([log_probs, entropy], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
+        grad_entropy = grad_out[:, 1] if ctx.entropy_grad else torch.zeros_like(grad_out[:, 1])
+        logits = torch.nn.functional.linear(hidden, weight, bias)
+        grad = ctx.math[1](logits, ids, lse, entropy, grad_out[:, 0].contiguous(), grad_entropy.contiguous())
+        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def _image_inputs(

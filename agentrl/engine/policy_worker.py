@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,8 @@ import torch.distributed as dist
 from agentrl.algorithms.kl import compute_kl_penalty
 from agentrl.algorithms.losses import aggregate_loss, compute_policy_loss
 from agentrl.engine.assembly import TrainBatch
+from agentrl.engine.distributed import all_reduce_sum, world_size
+from agentrl.engine.flops import device_peak_flops, mfu
 from agentrl.engine.forward import compute_log_probs
 from agentrl.engine.fsdp import compute_device, shard_model
 from agentrl.engine.lora import adapters_disabled, apply_lora, is_lora_model
@@ -204,6 +207,10 @@ class PolicyWorker:
             self.rollout.wake_up()
 
     # ---- training side ------------------------------------------------------------------------------
+    def _log_probs(self, model: torch.nn.Module, batch: TrainBatch, **kwargs) -> tuple[torch.Tensor, ...]:
+        compile_head = self.config.actor_rollout_ref.actor.use_torch_compile and self.device.type == "cuda"
+        return compute_log_probs(model, batch, compile_head=compile_head, **kwargs)
+
     @torch.no_grad()
     def compute_log_prob(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         """Old log-probs of the current actor, for the PPO ratio (entropy is measured in the update)."""
@@ -211,7 +218,7 @@ class PolicyWorker:
         return {
             "old_log_probs": self._map_micro_batches(
                 batch,
-                lambda mb: compute_log_probs(self.actor, mb),
+                lambda mb: self._log_probs(self.actor, mb),
                 self.config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu,
             )[0]
         }
@@ -221,12 +228,13 @@ class PolicyWorker:
         """Log-probs under the reference policy (the initial weights; for LoRA, adapters off)."""
         size = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
         if self.ref is not None:
-            return self._map_micro_batches(batch, lambda mb: compute_log_probs(self.ref, mb), size)[0]
+            return self._map_micro_batches(batch, lambda mb: self._log_probs(self.ref, mb), size)[0]
         with adapters_disabled(self.actor):
-            return self._map_micro_batches(batch, lambda mb: compute_log_probs(self.actor, mb), size)[0]
+            return self._map_micro_batches(batch, lambda mb: self._log_probs(self.actor, mb), size)[0]
 
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:
         """PPO epochs over mini-batches; one optimizer step per mini-batch; one LR step per call."""
+        start = time.perf_counter()
         metrics = run_ppo_updates(
             batch,
             self._actor_loss,
@@ -243,10 +251,25 @@ class PolicyWorker:
         )
         if self.optimizer_offload:
             _move_optimizer_state(self.optimizer, torch.device("cpu"))
+        metrics.update(self._mfu(batch, time.perf_counter() - start))
         if self.device.type == "cuda":  # peak since the worker started, on this rank's device (verl's names)
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
             metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
         return metrics
+
+    def _mfu(self, batch: TrainBatch, seconds: float) -> dict[str, float]:
+        """`perf/mfu/actor`: model FLOPs of this update over the peak of every rank's device (none on CPU or an
+        unknown GPU). The update ends in host reads of its stats, so `seconds` covers the device work."""
+        dtype = _DTYPES[self.config.actor_rollout_ref.model.dtype]
+        share = mfu(
+            self.actor.config,
+            batch.attention_mask.sum(dim=1).tolist() * self.config.actor_rollout_ref.actor.ppo_epochs,
+            seconds,
+            device_peak_flops(self.device, dtype),
+        )
+        if share is None:
+            return {}
+        return {"perf/mfu/actor": all_reduce_sum(share) / world_size()}
 
     def _optimizer_state_to_device(self) -> None:
         _move_optimizer_state(self.optimizer, self.device)
@@ -254,7 +277,7 @@ class PolicyWorker:
     def _actor_loss(self, micro: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config.actor_rollout_ref.actor
         mask = micro.response_mask.to(self.device)
-        log_probs, entropy = compute_log_probs(
+        log_probs, entropy = self._log_probs(
             self.actor, micro, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0
         )
         if log_probs.device.type != self.device.type:

@@ -1,7 +1,8 @@
 """The GPU core on a real-size model: run on the device machine (docs/development.md gives the command).
 
 A Qwen2.5-0.5B-shaped model (random weights, offline tokenizer) in bf16: the fingerprint of its 136M-element
-embedding, a full and a LoRA policy step with weight sync, and FSDP2 over 2 GPUs against 1 (when 2 are there).
+embedding, the compiled log-prob head against whole logits, a full and a LoRA policy step with weight sync, and
+FSDP2 over 2 GPUs against 1 (when 2 are there).
 """
 
 from __future__ import annotations
@@ -29,6 +30,42 @@ def test_fingerprint_of_a_tensor_past_2_pow_24_elements_on_cuda():
     changed = embedding.clone()
     changed[-1, -1] += 1  # the last element is sampled
     assert fingerprint_state_dict({"e": changed}) != on_gpu
+
+
+def test_the_compiled_log_prob_head_equals_whole_logits_on_cuda():
+    """What training runs on a GPU (`actor.use_torch_compile`): values and the gradients they send into every
+    weight, against the whole (B, L, V) logits in float32 (the 0.5B shape in fp32, 151,936-token vocabulary)."""
+    from agentrl.engine.assembly import TrainingRow, rows_to_batch
+    from agentrl.engine.forward import compute_log_probs
+    from agentrl.models import load_causal_lm
+
+    torch.manual_seed(0)
+    model = load_causal_lm(SHAPE, dtype="float32", device="cuda")
+    rows = [
+        TrainingRow(
+            torch.randint(10, 150_000, (40,)).tolist(), [0] * 8 + [1] * 32, [0.0] * 40, 1.0, "g", str(i)
+        )
+        for i in range(4)
+    ]
+    batch = rows_to_batch(rows, pad_token_id=0)
+    ids, mask = batch.input_ids.cuda(), batch.response_mask.cuda()
+
+    def loss_and_grads(log_probs, entropy):
+        model.zero_grad(set_to_none=True)
+        ((log_probs - 0.1 * entropy) * mask).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    logits = model(input_ids=ids, attention_mask=batch.attention_mask.cuda()).logits[:, :-1].float()
+    log_softmax = torch.log_softmax(logits, -1)
+    want_lp = torch.nn.functional.pad(log_softmax.gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
+    want_ent = torch.nn.functional.pad(-(log_softmax.exp() * log_softmax).sum(-1), (1, 0))
+    want_grads = loss_and_grads(want_lp, want_ent)
+    got_lp, got_ent = compute_log_probs(model, batch, with_entropy=True, compile_head=True)
+    got_grads = loss_and_grads(got_lp, got_ent)
+    assert torch.allclose(got_lp[mask], want_lp[mask], atol=1e-4)
+    assert torch.allclose(got_ent[mask], want_ent[mask], atol=1e-4)
+    for name, grad in got_grads.items():
+        assert torch.allclose(grad, want_grads[name], atol=1e-5, rtol=1e-3), name
 
 
 def _batch_from_rollouts(worker, prompts: int = 4, n: int = 4):
@@ -89,5 +126,6 @@ def test_a_bf16_policy_step_with_weight_sync_on_the_0_5b_shape(tmp_path, lora_ra
         sync = worker.sync_weights()  # bf16 LoRA merge: the served fingerprint must match the trainer's
         assert sync["rollout/policy_version"] == 2
         assert metrics["perf/max_memory_allocated_gb"] > 0
+        assert 0 < metrics["perf/mfu/actor"] < 1  # an H100/H200 has a known peak
     finally:
         worker.shutdown()

@@ -103,3 +103,36 @@ def test_lora_models_take_the_chunked_path_with_the_same_values():
     assert entropy is None
     on = batch.response_mask
     assert torch.allclose(log_probs[on], expected[on], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_compiled_head_math_gives_the_same_values_and_gradients():
+    """`compile_head=True` (what CUDA runs, `actor.use_torch_compile`) through Inductor on the CPU."""
+    model = load_causal_lm("tiny:qwen2", dtype="float32")
+    batch = _batch()
+    mask = batch.response_mask.float()
+    expected_lp, expected_ent = _whole_logits(model, batch)
+    expected_grads = _loss_and_grads(model, expected_lp, expected_ent, mask)
+    log_probs, entropy = compute_log_probs(model, batch, with_entropy=True, compile_head=True)
+    grads = _loss_and_grads(model, log_probs, entropy, mask)
+    on = batch.response_mask
+    assert torch.allclose(log_probs[on], expected_lp[on], atol=1e-5)
+    assert torch.allclose(entropy[on], expected_ent[on], atol=1e-5)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, expected_grads[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_a_head_function_that_fails_to_compile_falls_back_to_the_plain_one_loudly(caplog):
+    def broken(*_args):
+        raise RuntimeError("no working Triton")
+
+    call = forward._plain_if_compile_fails(broken, forward.logit_stats)
+    logits, ids = torch.randn(3, 11), torch.tensor([0, 5, 10])
+    with caplog.at_level("WARNING"):
+        first = call(logits, ids)
+    assert "torch.compile of logit_stats failed" in caplog.text
+    for got, want in zip(first, forward.logit_stats(logits, ids), strict=True):
+        assert torch.equal(got, want)
+    caplog.clear()
+    call(logits, ids)  # from then on the plain function, without another warning
+    assert caplog.text == ""
