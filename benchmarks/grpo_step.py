@@ -48,6 +48,9 @@ def _peak_gib(device: str) -> float:
 def run_agentrl(args: argparse.Namespace) -> dict:
     from agentrl import AgentTrainer, EvalOutput, SingleTurnChatFlow, evaluator
 
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+
     @evaluator
     def score(task, episode):
         return EvalOutput(reward=text_reward(episode.answer or ""))
@@ -216,6 +219,9 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--switch-interval", type=float, help="agentrl: Python's GIL switch interval in seconds (default 0.005)"
+    )
     parser.add_argument("--only", choices=["agentrl", "trl"], help="internal: run one trainer, print JSON")
     args = parser.parse_args()
     if args.only:

@@ -64,8 +64,11 @@ def test_the_compiled_log_prob_head_equals_whole_logits_on_cuda():
     got_grads = loss_and_grads(got_lp, got_ent)
     assert torch.allclose(got_lp[mask], want_lp[mask], atol=1e-4)
     assert torch.allclose(got_ent[mask], want_ent[mask], atol=1e-4)
+    # float32 sums over 128 tokens and 151,936 logits in another order: on the H200 the worst of the embedding's
+    # 136M gradient entries differed by 7.3e-5 where its largest is 32.5 (the eager chunked path: 7.7e-5).
     for name, grad in got_grads.items():
-        assert torch.allclose(grad, want_grads[name], atol=1e-5, rtol=1e-3), name
+        scale = want_grads[name].abs().max()
+        assert torch.allclose(grad, want_grads[name], atol=1e-5 * float(scale), rtol=1e-3), name
 
 
 def _batch_from_rollouts(worker, prompts: int = 4, n: int = 4):
