@@ -220,7 +220,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--switch-interval", type=float, help="agentrl: Python's GIL switch interval in seconds (default 0.005)"
+        "--switch-interval",
+        type=float,
+        help="agentrl: Python's GIL switch interval in seconds (default 0.005)",
     )
     parser.add_argument("--only", choices=["agentrl", "trl"], help="internal: run one trainer, print JSON")
     args = parser.parse_args()
