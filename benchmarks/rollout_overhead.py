@@ -8,12 +8,13 @@ N concurrent single-turn chat calls, every answer exactly `--tokens` tokens long
   server-asgi        + the OpenAI server's work (validation, chat template, response JSON), in-process
   server-http        + the TCP hop and uvicorn thread: the official async openai client -> server
   gateway-http       + the gateway: openai client -> gateway (TCP) -> pool -> server (TCP)
-  gateway-inproc     the same, but the pool calls the in-process server through ASGI (no 2nd TCP hop)
-  gateway-asgi       the client reaches the gateway through ASGI too (no TCP at all; what a collector
-                     in the gateway's process could do, see docs/benchmarks.md)
+  gateway-inproc     the same, but the pool calls the in-process server (no 2nd TCP hop)
+  gateway-asgi-hop   the client reaches the gateway through ASGI too, and the pool the server through ASGI
+  gateway-asgi       the same, with the pool calling the server's handler as Python (`server.DirectCalls`)
   collector-http     + the collector and an AgentFlow (sessions, traces, episodes), every hop over TCP
   collector-inproc   the same with the pool calling the engine's server in-process
-  collector-asgi     the same with the collector calling the gateway in-process too: what training runs
+  collector-asgi-hop the same with the collector calling the gateway in-process too (pool -> server over ASGI)
+  collector-asgi     ... and the pool calling the server's handler directly: what training runs
 
 Rows are measured round-robin `--repeats` times; the median wall time is reported, with ms per call
 and completion tokens/s. The split below the table is the difference between adjacent rows.
@@ -128,8 +129,8 @@ async def run_collector(gateway: Gateway, conversations, calls: int, in_process:
     return sum(len(s.response_ids) for e in episodes for t in e.trajectories for s in t.steps)
 
 
-def build_gateway(server_url: str, tokens: int, *, in_process: bool) -> Gateway:
-    pool = RolloutPool([server_url], model_name=MODEL_NAME, in_process=in_process)
+def build_gateway(server_url: str, tokens: int, *, in_process: bool, direct: bool = True) -> Gateway:
+    pool = RolloutPool([server_url], model_name=MODEL_NAME, in_process=in_process, direct=direct)
     # The mode fixes the length too, so the collector's plain flow gets `tokens`-long answers.
     return Gateway(pool, sampling_train=fixed_length(tokens), max_n=1).start()
 
@@ -165,6 +166,7 @@ def main() -> int:
     server = start_server_in_thread(app)
     via_tcp = build_gateway(server.url, args.tokens, in_process=False)
     in_proc = build_gateway(server.url, args.tokens, in_process=True)
+    asgi_hop = build_gateway(server.url, args.tokens, in_process=True, direct=False)
     n, t = args.calls, args.tokens
 
     rows: dict[str, Callable[[], Awaitable[int] | int]] = {
@@ -174,9 +176,13 @@ def main() -> int:
         "server-http": lambda: run_openai(server.url + "/v1", conversations, t),
         "gateway-http": lambda: run_openai(via_tcp.open_session(None), conversations, t),
         "gateway-inproc": lambda: run_openai(in_proc.open_session(None), conversations, t),
+        "gateway-asgi-hop": lambda: run_openai(
+            asgi_hop.open_session(None), conversations, t, app=asgi_hop.app
+        ),
         "gateway-asgi": lambda: run_openai(in_proc.open_session(None), conversations, t, app=in_proc.app),
         "collector-http": lambda: run_collector(via_tcp, conversations, n),
         "collector-inproc": lambda: run_collector(in_proc, conversations, n),
+        "collector-asgi-hop": lambda: run_collector(asgi_hop, conversations, n, in_process=True),
         "collector-asgi": lambda: run_collector(in_proc, conversations, n, in_process=True),
     }
 
@@ -207,6 +213,7 @@ def main() -> int:
     finally:
         via_tcp.stop()
         in_proc.stop()
+        asgi_hop.stop()
         server.stop()
         engine.close()
 
@@ -224,7 +231,8 @@ def main() -> int:
              ("collector + flow (pool over TCP)", "gateway-http", "collector-http"),
              ("collector + flow (pool in-process)", "gateway-inproc", "collector-inproc"),
              ("full path saved by the in-process pool", "collector-inproc", "collector-http"),
-             ("collector -> gateway TCP hop", "collector-asgi", "collector-inproc")]  # fmt: skip
+             ("collector -> gateway TCP hop", "collector-asgi", "collector-inproc"),
+             ("pool -> server: ASGI hop vs direct call", "collector-asgi", "collector-asgi-hop")]  # fmt: skip
     print("\nsplit (difference of median wall times, s):")
     for label, a, b in steps:
         if a not in median or b not in median:

@@ -18,12 +18,15 @@ Both engines sit behind the same pool; only their admin routes differ:
 
 Admin calls carry the servers' bearer token when one is set (`admin_auth.py`). A server whose app
 runs in this process (`http_server.find_local_app`) is called in-process through
-`httpx.ASGITransport`: same routes and answers, no TCP hop and no second event loop.
+`httpx.ASGITransport`: same routes and answers, no TCP hop and no second event loop. Its generation
+routes are called as Python (`server.DirectCalls`): the same answer as a dict, without the ASGI hop and
+the JSON of every token's logprob entry.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import weakref
 from collections.abc import Sequence
@@ -33,7 +36,9 @@ from typing import Any, NamedTuple
 import httpx
 
 from agentrl.rollout.admin_auth import admin_headers
-from agentrl.rollout.http_server import InProcessFirstTransport
+from agentrl.rollout.http_server import InProcessFirstTransport, find_local_app
+
+log = logging.getLogger(__name__)
 
 ENGINES = ("embedded", "vllm")
 
@@ -91,13 +96,15 @@ class RolloutPool:
         transport: httpx.AsyncBaseTransport | None = None,
         admin_token: str | None = None,
         in_process: bool = True,
+        direct: bool = True,
     ) -> None:
         """`servers`: URLs, or objects with `.url` (and optionally `.engine`, e.g. `VLLMServer`).
 
         `model_name` is the name the servers serve; requests are forwarded with `model` set to it
         (or to the active LoRA adapter). `transport` replaces httpx's network transport (tests serve
         several in-process apps through one). `admin_token` is sent with admin calls. `in_process`
-        calls servers of this process in-process (see the module docstring).
+        calls servers of this process in-process (see the module docstring); `direct=False` keeps their generation
+        routes on ASGI too (benchmarks/rollout_overhead.py compares).
         """
         if not servers:
             raise ValueError("RolloutPool needs at least one server")
@@ -120,6 +127,7 @@ class RolloutPool:
         self._transport = transport
         self._admin_token = admin_token
         self._in_process = in_process
+        self._direct = direct
 
     # ---- routing -------------------------------------------------------------------------------
 
@@ -187,12 +195,15 @@ class RolloutPool:
             state.in_flight += 1
             state.requests += 1
             try:
-                # asyncio's timeout too: httpx's does not apply to an in-process (ASGI) server.
+                # asyncio's timeout too: httpx's does not apply to an in-process server.
                 async with asyncio.timeout(self.request_timeout):
-                    resp = await self._client().post(
-                        state.url + path, json=json_body, timeout=self.request_timeout
-                    )
-                body = resp.json()
+                    answer = await self._call_direct(state.url, path, json_body)
+                    if answer is None:
+                        resp = await self._client().post(
+                            state.url + path, json=json_body, timeout=self.request_timeout
+                        )
+                        answer = resp.status_code, resp.json()
+                status, body = answer
             except (httpx.HTTPError, ValueError, TimeoutError) as e:
                 reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 self.mark_unhealthy(state, reason)
@@ -200,14 +211,30 @@ class RolloutPool:
                 continue
             finally:
                 state.in_flight -= 1
-            if resp.status_code >= 500:
-                reason = f"HTTP {resp.status_code}: {str(body)[:300]}"
+            if status >= 500:
+                reason = f"HTTP {status}: {str(body)[:300]}"
                 self.mark_unhealthy(state, reason)
                 errors.append(f"{state.url}: {reason}")
                 continue
-            return PoolResponse(resp.status_code, body, state.url, state.policy_version)
+            return PoolResponse(status, body, state.url, state.policy_version)
         message = "request failed on every server tried: " + ("; ".join(errors) or self._describe_unhealthy())
         return PoolResponse(503, {"error": {"message": message, "type": "ServiceUnavailable"}}, "", -1)
+
+    async def _call_direct(self, url: str, path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
+        """The answer of an embedded server this process serves, called as Python (`server.DirectCalls`: no
+        ASGI hop, no JSON); None when `url` is not one (or the request streams). An exception becomes the 500
+        it would be over HTTP, so failover treats both paths alike."""
+        app = find_local_app(url) if self._in_process and self._direct and self._transport is None else None
+        direct = getattr(getattr(app, "state", None), "direct", None)
+        if direct is None:
+            return None
+        try:
+            return await direct.call(path, body)
+        except Exception as error:  # noqa: BLE001 - the HTTP path turns it into a 500 as well
+            log.exception("in-process server %s failed on %s", url, path)
+            return 500, {
+                "error": {"message": f"{type(error).__name__}: {error}", "type": "InternalServerError"}
+            }
 
     def _client(self) -> httpx.AsyncClient:
         """One client per event loop: the gateway's loop forwards while the trainer's loop may

@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from agentrl.rollout._openai_protocol import (
     COMPLETIONS_MAX_TOKENS,
@@ -312,6 +312,38 @@ async def _run(
         raise RequestError(str(error), "prompt") from error
 
 
+class DirectCalls:
+    """The server's generation routes as Python calls, for a `RolloutPool` in the same process (`app.state.direct`).
+
+    The answer is what the HTTP route would send, as a dict, without the ASGI hop and the JSON encoding and
+    parsing of every token's logprob entry on the way back (docs/benchmarks.md measures the hop). Streaming
+    requests and other paths are not served here (`call` returns None: the caller goes through HTTP).
+    """
+
+    _ROUTES = {
+        "/v1/chat/completions": (ChatCompletionRequest, _chat),
+        "/v1/completions": (CompletionRequest, _completions),
+    }
+
+    def __init__(self, server: _Server) -> None:
+        self._server = server
+
+    async def call(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        """(status, body) of POST `path`; errors answer as over HTTP (400 naming the field, 409, ...); an
+        exception of the engine propagates (over HTTP it is a 500: the pool fails over either way)."""
+        route = self._ROUTES.get(path)
+        if route is None or body.get("stream"):
+            return None
+        model, handler = route
+        try:
+            return 200, await handler(self._server, model.model_validate(body))
+        except ValidationError as error:
+            message, param = format_validation_error(list(error.errors()))
+            return 400, build_error(message, param)
+        except RequestError as error:
+            return error.status, build_error(error.message, error.param, error.status)
+
+
 def build_server_app(
     engine: Any,
     tokenizer: Any,
@@ -329,6 +361,7 @@ def build_server_app(
     server = _Server(engine, tokenizer, model_name, int(max_model_len or engine.max_model_len), max_n)
     app = FastAPI(title="agentrl embedded engine")
     app.state.server, app.state.admin_token = server, admin_token
+    app.state.direct = DirectCalls(server)
     admin = [Depends(build_admin_guard(admin_token))]
 
     @app.exception_handler(AdminAuthError)

@@ -1,0 +1,109 @@
+"""The pool calls an embedded server of its own process as Python (`server.DirectCalls`): the answers, the
+refusals and the failover are the ones HTTP gives, and the HTTP route is not used."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agentrl.rollout.engines.embedded import EmbeddedEngine
+from agentrl.rollout.http_server import start_server_in_thread
+from agentrl.rollout.pool import RolloutPool
+from agentrl.rollout.server import DirectCalls, build_server_app
+
+CHAT = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+    "max_tokens": 6,
+    "temperature": 1.0,
+    "seed": 7,
+    "logprobs": True,
+    "return_token_ids": True,
+}
+
+
+@pytest.fixture
+def served(model, tokenizer, monkeypatch):
+    """A running server, and the list of paths its direct calls answered."""
+    engine = EmbeddedEngine(model, tokenizer, max_num_seqs=8, max_model_len=128)
+    handle = start_server_in_thread(build_server_app(engine, tokenizer, model_name="tiny"))
+    answered: list[str] = []
+    original = DirectCalls.call
+
+    async def recording(self, path, body):
+        answer = await original(self, path, body)
+        if answer is not None:
+            answered.append(path)
+        return answer
+
+    monkeypatch.setattr(DirectCalls, "call", recording)
+    yield handle, engine, answered
+    handle.stop()
+    engine.close()
+
+
+def _forward(url: str, path: str, body: dict, *, in_process: bool):
+    async def run():
+        pool = RolloutPool([url], model_name="tiny", in_process=in_process, max_retries=0)
+        try:
+            return await pool.forward("s", path, body)
+        finally:
+            await pool.aclose()
+
+    return asyncio.run(run())
+
+
+def _without_ids(body: dict) -> dict:
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", CHAT),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": [10, 11, 12], "max_tokens": 5, "seed": 3, "logprobs": 1},
+        ),
+    ],
+    ids=["chat", "completions"],
+)
+def test_a_direct_call_answers_what_http_answers(served, path, body):
+    handle, _, answered = served
+    direct = _forward(handle.url, path, body, in_process=True)
+    assert answered == [path]
+    over_tcp = _forward(handle.url, path, body, in_process=False)
+    assert answered == [path]  # the TCP call did not go through the direct path
+    assert direct.status == over_tcp.status == 200
+    assert _without_ids(direct.body) == _without_ids(over_tcp.body)
+
+
+def test_refusals_are_the_same_status_and_message_as_over_http(served):
+    handle, _, answered = served
+    for bad in ({**CHAT, "temperature": "hot"}, {**CHAT, "messages": []}, {**CHAT, "n": 99}):
+        direct = _forward(handle.url, "/v1/chat/completions", bad, in_process=True)
+        over_tcp = _forward(handle.url, "/v1/chat/completions", bad, in_process=False)
+        assert direct.status == over_tcp.status and 400 <= direct.status < 500
+        assert direct.body == over_tcp.body
+    assert len(answered) == 3
+
+
+def test_a_streaming_request_goes_over_http(served):
+    handle, _, answered = served
+    # The pool parses JSON answers; a stream is not one, which is the HTTP path's answer too (a ValueError).
+    answer = _forward(handle.url, "/v1/chat/completions", {**CHAT, "stream": True}, in_process=True)
+    assert answered == [] and answer.status == 503
+
+
+def test_an_engine_that_raises_marks_the_server_unhealthy_as_a_500_would(served, monkeypatch, caplog):
+    handle, engine, _ = served
+
+    async def broken(*_args, **_kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "generate", broken)
+    answer = _forward(handle.url, "/v1/chat/completions", CHAT, in_process=True)
+    assert answer.status == 503
+    assert "HTTP 500" in answer.body["error"]["message"] and "device lost" in answer.body["error"]["message"]
+    assert "in-process server" in caplog.text
