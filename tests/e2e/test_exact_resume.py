@@ -47,6 +47,12 @@ class PausingFlow(SingleTurnChatFlow):
 _NOT_COMPARED = ("timing/", "perf/", "timing_s/", "rollout/logprob_diff_", "rollout/policy_version")
 
 
+def _default_sigint() -> None:
+    """Let Ctrl-C reach the run even when the tests run as a shell's background job, which starts every child
+    with SIGINT ignored (Python then installs no KeyboardInterrupt handler and the run never sees the signal)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _command(run_dir: Path, *extra: str) -> list[str]:
     return [
         str(Path(sys.executable).parent / "agentrl"), "train", "--config", str(REPO / "configs" / "arithmetic.yaml"),
@@ -108,6 +114,7 @@ def test_resumed_steps_are_bit_identical(tmp_path, uninterrupted, sig, extra):
     env = {**os.environ, "PAUSE_WHEN": str(complete)}
     first = subprocess.Popen(
         _command(run_dir, *extra),
+        preexec_fn=_default_sigint,
         cwd=tmp_path,
         env=env,
         stdout=subprocess.DEVNULL,

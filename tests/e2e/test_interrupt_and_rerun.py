@@ -21,6 +21,12 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
+def _default_sigint() -> None:
+    """Let Ctrl-C reach the run even when the tests run as a shell's background job, which starts every child
+    with SIGINT ignored (Python then installs no KeyboardInterrupt handler and the run never sees the signal)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _command(run_dir: Path) -> list[str]:
     script = Path(sys.executable).parent / "agentrl"
     return [
@@ -40,7 +46,13 @@ def _held_out_line(stdout: str) -> str:
 def test_ctrl_c_marks_the_run_killed_and_reruns_resume_and_report(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     first = subprocess.Popen(
-        _command(tmp_path), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        _command(tmp_path),
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
     )
     complete = tmp_path / "checkpoints" / "global_step_2" / "COMPLETE"
     deadline = time.monotonic() + 300
