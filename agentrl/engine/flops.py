@@ -1,9 +1,9 @@
 """Model FLOPs utilisation of a training pass (verl's `perf/mfu/actor`): achieved model FLOPs over the peak.
 
 Model FLOPs count what the math needs, not what ran: a forward and backward of a decoder is 6 x (its matmul
-parameters) per token, plus the attention scores, 12 x layers x heads x head_dim per (token, earlier token)
-pair (all pairs, causal or not, as verl's FLOPs counter counts them; PaLM's appendix has the formula). Recomputation under gradient checkpointing is
-not counted (it is overhead), so checkpointing lowers the MFU as it should. The peak is the dense bf16/fp16
+parameters) per token, plus the attention scores, 12 x layers x heads x head_dim per (token, token) pair (all
+pairs, causal or not, as verl's FLOPs counter counts them; PaLM's appendix has the formula). Recomputation under
+gradient checkpointing is not counted (it is overhead), so checkpointing lowers the MFU as it should. The peak is the dense bf16/fp16
 (or fp32) tensor-core figure of the device, from its datasheet; an unknown device has no MFU.
 """
 

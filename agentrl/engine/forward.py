@@ -5,13 +5,13 @@ and the value of token t is the critic's estimate of the state before it (its ou
 has no prediction and holds 0; it is never a response token.
 
 Log-probs and entropy are computed inside the model's output head, on response tokens only, a chunk of
-tokens at a time, each chunk's logits recomputed in the backward pass (`_ChunkStats`): the (B, L, V) logits are
-never materialised, in
-the compute dtype or in float32 (for a 151,936-token vocabulary, 16 rows x 400 tokens of float32 logits are
-3.9 GB, and their softmax and gradient as much again). Prompt and padding positions, which no loss reads,
-cost nothing and hold 0. The head's forward is swapped for the duration of the call (not its module), so
-FSDP sees the usual forward and its hooks gather and free the head's weight as they always do. Models whose
-forward changes the logits after the head (soft-capping, logit scales) keep the whole-logits path.
+tokens at a time, each chunk's logits recomputed in the backward pass (`_ChunkStats`): the (B, L, V) logits
+are never materialised, in the compute dtype or in float32 (for a 151,936-token vocabulary, 16 rows x 400
+tokens of float32 logits are 3.9 GB, and their softmax and gradient as much again). Prompt and padding
+positions, which no loss reads, cost nothing and hold 0. The head's forward is swapped for the duration of the
+call (not its module), so FSDP sees the usual forward and its hooks gather and free the head's weight as they
+always do. Models whose forward changes the logits after the head (soft-capping, logit scales) keep the
+whole-logits path.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def compute_log_probs(
         return log_probs, entropy
     wanted = batch.response_mask.to(device).bool()[:, 1:]
     math = _compiled_math() if compile_head else (logit_stats, logit_grad)
-    with _token_head(head, input_ids[:, 1:], wanted, entropy_grad, math):
+    with _token_head(head, input_ids[:, 1:], wanted, with_entropy, entropy_grad, math):
         out = model(input_ids=input_ids, attention_mask=attention, use_cache=False, **images).logits
     log_probs = _shift_right(out[..., 0])
     return log_probs, _shift_right(out[..., 1]) if with_entropy else None
@@ -93,7 +93,12 @@ def _chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
 
 @contextmanager
 def _token_head(
-    head: torch.nn.Linear, targets: torch.Tensor, wanted: torch.Tensor, entropy_grad: bool, math
+    head: torch.nn.Linear,
+    targets: torch.Tensor,
+    wanted: torch.Tensor,
+    with_entropy: bool,
+    entropy_grad: bool,
+    math,
 ) -> Iterator[None]:
     """Make `head` return, for hidden states (B, L, H), a (B, L-1, 2) tensor of [log-prob, entropy] per token.
 
@@ -102,8 +107,9 @@ def _token_head(
     """
 
     def chunk_stats(hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            _, log_probs, entropy = math[0](torch.nn.functional.linear(hidden, head.weight, head.bias), ids)
+        if not torch.is_grad_enabled():  # old or reference log-probs: the entropy only when asked
+            logits = torch.nn.functional.linear(hidden, head.weight, head.bias)
+            _, log_probs, entropy = math[0](logits, ids, with_entropy)
             return torch.stack([log_probs, entropy], dim=1)
         return _ChunkStats.apply(hidden, head.weight, head.bias, ids, entropy_grad, math)
 
@@ -131,13 +137,17 @@ def _token_head(
         del head.forward
 
 
-def logit_stats(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N,) float32 log-sum-exp, log p(ids) and entropy of (N, V) logits.
+def logit_stats(
+    logits: torch.Tensor, ids: torch.Tensor, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N,) float32 log-sum-exp, log p(ids) and entropy (zeros unless `with_entropy`) of (N, V) logits.
 
     H = lse - sum_v p_v z_v, which needs no log of a zero probability."""
     z = logits.float()
     lse = torch.logsumexp(z, dim=-1)
     log_probs = z.gather(1, ids.unsqueeze(1)).squeeze(1) - lse
+    if not with_entropy:
+        return lse, log_probs, torch.zeros_like(lse)
     entropy = lse - (torch.exp(z - lse.unsqueeze(1)) * z).sum(-1)
     return lse, log_probs, entropy
 
@@ -148,16 +158,17 @@ def logit_grad(
     lse: torch.Tensor,
     entropy: torch.Tensor,
     grad_log_probs: torch.Tensor,
-    grad_entropy: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
 ) -> torch.Tensor:
     """The loss's gradient with respect to (N, V) logits, in their dtype, given its gradients with respect to
-    log p(ids) and the entropy (N,): with log p = z - lse,
+    log p(ids) and the entropy (N,; None: the entropy is only logged): with log p = z - lse,
         d log p(id) / dz = onehot(id) - p,        d H / dz = -p (log p + H)."""
     log_p = logits.float() - lse.unsqueeze(1)
     p = log_p.exp()
     onehot = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0) == ids.unsqueeze(1)
     grad = grad_log_probs.unsqueeze(1) * (onehot.float() - p)
-    grad = grad - grad_entropy.unsqueeze(1) * p * (log_p + entropy.unsqueeze(1))
+    if grad_entropy is not None:
+        grad = grad - grad_entropy.unsqueeze(1) * p * (log_p + entropy.unsqueeze(1))
     return grad.to(logits.dtype)
 
 
@@ -215,9 +226,9 @@ class _ChunkStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
-        grad_entropy = grad_out[:, 1] if ctx.entropy_grad else torch.zeros_like(grad_out[:, 1])
+        grad_entropy = grad_out[:, 1].contiguous() if ctx.entropy_grad else None
         logits = torch.nn.functional.linear(hidden, weight, bias)
-        grad = ctx.math[1](logits, ids, lse, entropy, grad_out[:, 0].contiguous(), grad_entropy.contiguous())
+        grad = ctx.math[1](logits, ids, lse, entropy, grad_out[:, 0].contiguous(), grad_entropy)
         grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
