@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 def _engine_timing(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict[str, float]:
     """Where the generation phase went inside the embedded engines (the slowest worker's):
     `timing/engine_prefill`, `timing/engine_decode` (forwards and sampling) and `timing/engine_host` (the
-    scheduler's per-row Python work) in seconds; `perf/engine_prefills`, `perf/engine_decode_steps_device`
+    scheduler's per-row Python work) in seconds, and inside those `timing/engine_cache_alloc` and
+    `timing/engine_graph_capture` (the KV cache and CUDA graphs rebuilt after each sleep); `perf/engine_prefills`, `perf/engine_decode_steps_device`
     and `perf/engine_decode_steps_host` as counts. The rest of `timing/gen` is the agents, the gateway and
     waiting."""
     timing: dict[str, float] = {}

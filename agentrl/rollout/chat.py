@@ -7,9 +7,12 @@ Tool calls use the Qwen2.5 / Hermes format: `<tool_call>{"name": ..., "arguments
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import threading
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +100,39 @@ def render_chat(
     if isinstance(rendered, dict) or hasattr(rendered, "input_ids"):
         rendered = rendered["input_ids"]
     return [int(t) for t in rendered]
+
+
+class ChatRenderCache:
+    """`render_chat` for one tokenizer, remembering the last `size` conversations it rendered.
+
+    A GRPO group sends the same messages `n` times, and rendering (the jinja template, then the tokenizer)
+    is the largest per-request cost of the server after the model: ~1.3 ms a call on a 2-core machine. Keys
+    are a digest of the messages and tools as JSON, so an image's data URL is not kept. A template that
+    reads the clock (a date in the system prompt) keeps the rendering it had when first seen.
+    """
+
+    def __init__(self, tokenizer: Any, size: int = 4096) -> None:
+        self.tokenizer, self.size = tokenizer, size
+        self._entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()  # the server's routes and the pool's direct calls may be on two loops
+        self.hits = 0
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt ids `render_chat(tokenizer, messages, tools=tools)` gives; a new list each call."""
+        text = json.dumps([messages, tools], sort_keys=True, ensure_ascii=False, default=str)
+        key = hashlib.blake2b(text.encode(), digest_size=16).digest()
+        with self._lock:
+            cached = self._entries.get(key)
+            if cached is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return list(cached)
+        prompt_ids = render_chat(self.tokenizer, messages, tools=tools)
+        with self._lock:
+            self._entries[key] = tuple(prompt_ids)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return prompt_ids
 
 
 def _build_tool_call(payload: Any) -> dict[str, Any]:

@@ -86,10 +86,13 @@ class RolloutCollector:
             max_connections=self.limits.n_parallel_tasks * 2,
             max_keepalive_connections=self.limits.n_parallel_tasks,
         )
-        # A gateway in this process (the trainer's) is reached through ASGI, without a TCP hop.
-        transport: httpx.AsyncBaseTransport = httpx.AsyncHTTPTransport(limits=limits)
-        if self.in_process:
-            transport = InProcessFirstTransport(transport)
+        # A gateway in this process (the trainer's) is reached through ASGI, without a TCP hop; the network
+        # transport is only built if a request leaves the process.
+        transport: httpx.AsyncBaseTransport = (
+            InProcessFirstTransport(lambda: httpx.AsyncHTTPTransport(limits=limits))
+            if self.in_process
+            else httpx.AsyncHTTPTransport(limits=limits)
+        )
         async with httpx.AsyncClient(timeout=self.limits.timeout, transport=transport) as http:
 
             async def one(task: Task, sample: int) -> Episode:

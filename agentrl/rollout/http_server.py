@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -37,16 +38,23 @@ def find_local_app(origin: str) -> Any | None:
 class InProcessFirstTransport(httpx.AsyncBaseTransport):
     """Requests to an app this process serves go to it through ASGI, in the caller's event loop; the rest
     go to `network`. Measured on 128 concurrent calls, the TCP hop plus uvicorn's thread cost more than
-    the model on CPU (docs/benchmarks.md, benchmarks/rollout_overhead.py)."""
+    the model on CPU (docs/benchmarks.md, benchmarks/rollout_overhead.py).
 
-    def __init__(self, network: httpx.AsyncBaseTransport) -> None:
-        self._network = network
+    `network` may be a factory, called at the first request that leaves the process: an
+    `httpx.AsyncHTTPTransport` builds an SSL context (~50 ms on 2 CPU cores), which a collector that
+    only reaches its own gateway would pay at every rollout round for nothing."""
+
+    def __init__(self, network: httpx.AsyncBaseTransport | Callable[[], httpx.AsyncBaseTransport]) -> None:
+        self._network = network if isinstance(network, httpx.AsyncBaseTransport) else None
+        self._make_network = None if self._network is not None else network
         self._local: dict[str, tuple[Any, httpx.ASGITransport]] = {}
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         origin = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
         app = find_local_app(origin)
         if app is None:
+            if self._network is None:
+                self._network = self._make_network()
             return await self._network.handle_async_request(request)
         cached = self._local.get(origin)
         if cached is None or cached[0] is not app:
@@ -56,7 +64,8 @@ class InProcessFirstTransport(httpx.AsyncBaseTransport):
         return await cached[1].handle_async_request(request)
 
     async def aclose(self) -> None:
-        await self._network.aclose()
+        if self._network is not None:
+            await self._network.aclose()
 
 
 class ServerHandle:

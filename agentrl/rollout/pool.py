@@ -247,9 +247,11 @@ class RolloutPool:
             transport = self._transport
             if transport is None:
                 limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-                transport = httpx.AsyncHTTPTransport(limits=limits)
-                if self._in_process:
-                    transport = InProcessFirstTransport(transport)
+                transport = (
+                    InProcessFirstTransport(lambda: httpx.AsyncHTTPTransport(limits=limits))
+                    if self._in_process
+                    else httpx.AsyncHTTPTransport(limits=limits)
+                )
             client = httpx.AsyncClient(timeout=self.request_timeout, transport=transport)
             self._clients[loop] = client
         return client

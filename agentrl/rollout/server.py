@@ -40,7 +40,7 @@ from agentrl.rollout._openai_protocol import (
 )
 from agentrl.rollout._sse import stream_chat, stream_completions
 from agentrl.rollout.admin_auth import AdminAuthError, build_admin_guard
-from agentrl.rollout.chat import parse_tool_calls, render_chat
+from agentrl.rollout.chat import ChatRenderCache, parse_tool_calls
 from agentrl.rollout.engines._weights import read_state_dict
 from agentrl.rollout.engines.constraints import Constraint, ConstraintError, build_constraint
 from agentrl.rollout.engines.vision import (
@@ -78,6 +78,7 @@ class _Server:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.max_model_len, self.max_n = max_model_len, max_n
         self.token_text = TokenText(tokenizer)
+        self.chat_prompts = ChatRenderCache(tokenizer)
 
     def check_prompt(self, prompt_ids: list[int], param: str) -> None:
         if len(prompt_ids) >= self.max_model_len:
@@ -148,7 +149,7 @@ def _render_chat_request(
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     messages = [m.model_dump(exclude_none=True) | {"content": m.content} for m in req.messages]
     try:
-        prompt_ids = render_chat(server.tokenizer, messages, tools=tools)
+        prompt_ids = server.chat_prompts.render(messages, tools=tools)
     except ValueError as error:
         raise RequestError(str(error), "messages") from error
     images = None

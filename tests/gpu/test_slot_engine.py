@@ -8,11 +8,13 @@ as eager decoding for the same seeds.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
 from agentrl.models import load_causal_lm, load_tokenizer
+from agentrl.rollout.engines import _slot_batch
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.types import SamplingParams
 
@@ -69,3 +71,30 @@ def test_graph_decoding_logprobs_equal_teacher_forcing_and_eager_tokens(model, c
             worst = max(worst, (reference.cpu() - torch.tensor(out.logprobs)).abs().max().item())
     assert worst < 1e-3, worst
     assert len({tuple(o.token_ids) for outs in with_graphs for o in outs}) == 32  # they really sample
+
+
+def test_the_decode_step_compiles_when_the_engine_is_built_not_in_the_first_rollout(model):
+    """Compiling in the first decode made the first rollouts wait ~60-120 s, counted against agent.timeout (an
+    H100 host timed out every episode of step 1). Built from a cold compiler, the engine compiles at once and
+    frees the cache it used; the first request then only captures a graph."""
+    torch._dynamo.reset()
+    _slot_batch._COMPILED = None
+    start = time.perf_counter()
+    engine = EmbeddedEngine(
+        model,
+        load_tokenizer(SHAPE),
+        max_num_seqs=32,
+        max_model_len=512,
+        cuda_graphs=True,
+        compile_decode=True,
+    )
+    built = time.perf_counter() - start
+    try:
+        assert engine.stats()["kv_slots"] == 0
+        params = SamplingParams(temperature=1.0, max_tokens=16, n=4, seed=1, ignore_eos=True)
+        outs = asyncio.run(engine.generate(list(range(10, 40)), params))
+        assert [len(o.token_ids) for o in outs] == [16] * 4
+        capture = engine.stats()["busy_graph_capture_s"]
+        assert 0 < capture < built / 4, (capture, built)
+    finally:
+        engine.close()

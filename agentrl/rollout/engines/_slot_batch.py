@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +120,9 @@ class SlotBatch:
         self._drawn = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
+        self.setup_s = {"cache_alloc_s": 0.0, "graph_capture_s": 0.0}
+        """Cumulative seconds spent (re)allocating the cache and capturing graphs: both recur after each
+        sleep, inside the prefill and decode time the engine reports."""
 
     @property
     def size(self) -> int:
@@ -291,6 +295,7 @@ class SlotBatch:
         are the ones the replay writes again.
         """
         if bucket not in self._graphs:
+            start = time.perf_counter()
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream()
@@ -302,6 +307,7 @@ class SlotBatch:
             with torch.cuda.graph(graph, pool=self._graph_pool):
                 logits = self._step(bucket)
             self._graphs[bucket] = (graph, logits)
+            self.setup_s["graph_capture_s"] += time.perf_counter() - start
         return self._graphs[bucket]
 
     def _warm_up(self, bucket: int) -> None:
@@ -320,10 +326,31 @@ class SlotBatch:
             self._decode_step = decode_step
             self._step(bucket)
 
+    @torch.inference_mode()
+    def compile_now(self) -> float:
+        """Compile the decode step before any request arrives; returns the seconds it took (0: nothing to do).
+
+        A fresh process compiles on its first decode (~60 s or more on a GPU host, all of it Python) while the
+        first rollouts wait, and that wait counted against `agent.timeout`: a slow host timed out every episode
+        of the first step. The step runs on the free slots' placeholders (token 0 at position 0, which no row
+        owns), and the cache it needed is freed again if no row held one.
+        """
+        if self._decode_step is decode_step or self._row_slots:
+            return 0.0
+        start = time.perf_counter()
+        had_cache = self.length > 0
+        self._ensure_length(MIN_LENGTH)
+        self._warm_up(MIN_BUCKET)
+        torch.cuda.synchronize(self.device)
+        if not had_cache:
+            self.clear()
+        return time.perf_counter() - start
+
     # ----- memory ----------------------------------------------------------------------------------
     def _ensure_length(self, needed: int) -> None:
         if needed <= self.length:
             return
+        start = time.perf_counter()
         length = min(self.max_model_len, max(MIN_LENGTH, _next_power_of_two(needed)))
         size = (self.max_slots, self.shape.kv_heads, length, self.shape.head_dim)
         self._check_memory(length)
@@ -337,6 +364,7 @@ class SlotBatch:
             new[:, :, : self.length] = old
         self.keys, self.values, self.length = keys, values, length
         self.drop_graphs()
+        self.setup_s["cache_alloc_s"] += time.perf_counter() - start
         logger.info(
             "embedded engine: KV cache of %d slots x %d positions (%.2f GiB)",
             self.max_slots,

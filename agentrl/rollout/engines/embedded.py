@@ -138,6 +138,10 @@ class EmbeddedEngine:
         waiting for them counts as (`_step_on_device`)."""
         self._rows_on_device = False
         """Whether the device holds every row's pending token, position and draw counter."""
+        if isinstance(self._batch, SlotBatch) and self._batch.cuda_graphs:
+            seconds = self._batch.compile_now()
+            if seconds:
+                logger.info("embedded engine: compiled the decode step in %.1f s", seconds)
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
         self._thread.start()
 
@@ -321,7 +325,7 @@ class EmbeddedEngine:
                 return admitted, hold
             while self._waiting and not self._asleep:
                 request, seqs = self._waiting[0]
-                if request.cancelled:
+                if request.cancelled or request.loop.is_closed():  # nobody can receive its tokens
                     self._waiting.popleft()
                     continue
                 if len(seqs) > free:
@@ -683,6 +687,9 @@ class EmbeddedEngine:
             "prefills": self._prefills,
             **{f"decode_steps_{where}": count for where, count in self._decode_steps.items()},
             **{f"busy_{name}": round(value, 4) for name, value in self._busy_s.items()},
+            **{
+                f"busy_{name}": round(value, 4) for name, value in getattr(self._batch, "setup_s", {}).items()
+            },
             "throughput_tokens_per_s": round(throughput, 2),
             "kv_slots": self._batch.slots,
             "sleeping": self._asleep,

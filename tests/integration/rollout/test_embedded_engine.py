@@ -195,6 +195,11 @@ def test_sleep_holds_requests_until_wake_up(engine, prompts):
     engine.sleep()
     assert engine.stats()["kv_slots"] == 0  # ...and sleep frees it
     engine.wake_up()
+    rebuilt = engine.stats()["busy_cache_alloc_s"]
+    asyncio.run(engine.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=2)))
+    assert engine.stats()["kv_slots"] >= 105  # the first request after waking rebuilds the cache...
+    assert engine.stats()["busy_cache_alloc_s"] > rebuilt  # ...and that time is reported
+    assert engine.stats()["busy_graph_capture_s"] == 0.0  # no CUDA graphs on CPU
 
 
 def test_slot_cache_grows_while_rows_run_and_logprobs_stay_exact(model, tokenizer, prompts):
@@ -331,3 +336,56 @@ def test_draw_on_device_off_reads_every_step_on_the_host_and_draws_the_same(
     assert engine.stats()["decode_steps_host"] == 0 and engine.stats()["decode_steps_device"] >= 11
     assert [o.token_ids for o in on_device] == [o.token_ids for o in on_host]
     assert [o.logprobs for o in on_device] == [o.logprobs for o in on_host]
+
+
+def test_a_request_cancelled_while_waiting_is_never_run(engine, prompts):
+    """A rollout that times out (its task cancelled) while its request waits must not run later: at the
+    next wake-up it would take slots and decode for nobody (the trainer's next step got them)."""
+
+    async def run():
+        engine.sleep()
+        task = asyncio.create_task(
+            engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=30))
+        )
+        while engine.stats()["waiting"] == 0:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        before = engine.stats()["tokens_generated"]
+        engine.wake_up()
+        out = await engine.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=3))
+        while engine.stats()["running"] or engine.stats()["waiting"]:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)  # the scheduler counts a step's tokens just after delivering them
+        return before, out
+
+    before, out = asyncio.run(run())
+    assert len(out[0].token_ids) == 3
+    assert engine.stats()["tokens_generated"] - before == 3  # the cancelled request drew nothing
+
+
+def test_a_request_whose_event_loop_closed_while_waiting_is_never_run(engine, prompts):
+    """A stream opened and never read leaves its request queued; once its event loop is gone (a training
+    step's `asyncio.run` ended) nobody can receive its tokens, so admission drops it."""
+    engine.sleep()
+    loop = asyncio.new_event_loop()
+
+    async def open_stream():
+        return engine.stream(prompts[0], SamplingParams(temperature=0.0, max_tokens=30))
+
+    loop.run_until_complete(open_stream())  # enqueued at once; the stream is never iterated
+    loop.close()
+    assert engine.stats()["waiting"] == 1
+    before = engine.stats()["tokens_generated"]
+    engine.wake_up()
+
+    async def run():
+        out = await engine.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=3))
+        while engine.stats()["running"] or engine.stats()["waiting"]:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        return out
+
+    assert len(asyncio.run(run())[0].token_ids) == 3
+    assert engine.stats()["tokens_generated"] - before == 3

@@ -47,3 +47,25 @@ def test_local_app_answers_in_the_callers_thread_and_network_after_stop():
     handle.stop()
     with pytest.raises(httpx.ConnectError):  # no longer served here: the network path, and nobody listens
         asyncio.run(fetch("/thread", in_process=True))
+
+
+def test_network_transport_is_built_only_when_a_request_leaves_the_process():
+    """A factory is called at the first request to an origin this process does not serve, not before:
+    a collector reaching only its own gateway never builds an SSL context."""
+    handle = start_server_in_thread(_app())
+    built: list[httpx.AsyncHTTPTransport] = []
+
+    def network() -> httpx.AsyncHTTPTransport:
+        built.append(httpx.AsyncHTTPTransport())
+        return built[-1]
+
+    async def fetch_local_then_remote() -> tuple[int, int]:
+        async with httpx.AsyncClient(transport=InProcessFirstTransport(network), timeout=5) as client:
+            assert (await client.get(f"{handle.url}/health")).json() == {"ok": True}
+            before = len(built)
+            handle.stop()  # the same origin is now off-process: the network path, nobody listens
+            with pytest.raises(httpx.ConnectError):
+                await client.get(f"{handle.url}/health")
+            return before, len(built)
+
+    assert asyncio.run(fetch_local_then_remote()) == (0, 1)

@@ -5,7 +5,13 @@ import json
 import pytest
 
 from agentrl.models import load_tokenizer
-from agentrl.rollout.chat import decode_completion, find_hidden_token_ids, parse_tool_calls, render_chat
+from agentrl.rollout.chat import (
+    ChatRenderCache,
+    decode_completion,
+    find_hidden_token_ids,
+    parse_tool_calls,
+    render_chat,
+)
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +109,24 @@ def test_completion_text_keeps_tool_markers_and_drops_control_tokens(tokenizer):
     ids = tokenizer.encode('<tool_call>{"name": "f"}</tool_call><|im_end|>')
     assert tokenizer.eos_token_id in hidden
     assert decode_completion(tokenizer, ids, hidden) == '<tool_call>{"name": "f"}</tool_call>'
+
+
+def test_render_cache_gives_render_chats_ids_and_evicts_the_oldest(tokenizer):
+    """Same messages -> a hit with the same ids (a fresh list); other tools or messages -> a miss; at
+    `size` entries the least recently used conversation goes."""
+    cache = ChatRenderCache(tokenizer, size=2)
+    question = [{"role": "user", "content": "What is 2 + 3?"}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    first = cache.render(question)
+    assert first == render_chat(tokenizer, question) and cache.hits == 0
+    again = cache.render([dict(m) for m in question])
+    assert again == first and again is not first and cache.hits == 1
+    again.append(0)  # the caller owns its list
+    assert cache.render(question) == first and cache.hits == 2
+    with_tools = cache.render(question, tools=tools)
+    assert with_tools == render_chat(tokenizer, question, tools=tools) != first and cache.hits == 2
+    assert cache.render(question) == first and cache.hits == 3  # `question` is now the most recent...
+    cache.render([{"role": "user", "content": "What is 4 + 4?"}])  # ...so a third entry evicts the tools one
+    assert cache.render(question) == first and cache.hits == 4
+    cache.render(question, tools=tools)
+    assert cache.hits == 4
