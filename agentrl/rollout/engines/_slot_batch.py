@@ -326,22 +326,25 @@ class SlotBatch:
             self._decode_step = decode_step
             self._step(bucket)
 
-    @torch.inference_mode()
     def compile_now(self) -> float:
         """Compile the decode step before any request arrives; returns the seconds it took (0: nothing to do).
 
         A fresh process compiles on its first decode (~60 s or more on a GPU host, all of it Python) while the
         first rollouts wait, and that wait counted against `agent.timeout`: a slow host timed out every episode
         of the first step. The step runs on the free slots' placeholders (token 0 at position 0, which no row
-        owns), and the cache it needed is freed again if no row held one.
+        owns), and the cache it needed is freed again if no row held one. The cache is allocated as `admit`
+        allocates it, outside inference mode: the compiled step guards on its inputs' dispatch keys, and a
+        cache of inference tensors made the first real decode compile all over again.
         """
         if self._decode_step is decode_step or self._row_slots:
             return 0.0
         start = time.perf_counter()
         had_cache = self.length > 0
         self._ensure_length(MIN_LENGTH)
-        self._warm_up(MIN_BUCKET)
-        torch.cuda.synchronize(self.device)
+        with torch.inference_mode():  # as `decode` and `decode_sampled` run it
+            self._warm_up(MIN_BUCKET)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         if not had_cache:
             self.clear()
         return time.perf_counter() - start
