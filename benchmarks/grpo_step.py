@@ -89,6 +89,9 @@ def run_agentrl(args: argparse.Namespace) -> dict:
         AgentTrainer(flow=SingleTurnChatFlow(), evaluator=score, train_dataset=rows, config=overrides).train()
         history = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in history if "timing/step" in r][1:]
+    empty = [r.get("step") for r in steps if "response_length/mean" not in r]
+    if empty:  # every episode of the step failed (a timeout, a dead engine): nothing was generated to time
+        sys.exit(f"agentrl: steps {empty} trained nothing; the run's 'rollout ... failed' warnings say why")
     tokens = [r["response_length/mean"] * r["batch/rows"] for r in steps]
     parts = sorted({k for r in steps for k in r if k.startswith("timing/")})
     counts = sorted({k for r in steps for k in r if k.startswith("perf/engine_")})
