@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -323,7 +324,11 @@ class SlotBatch:
             self._graphs[key] = self._capture(warm_up, lambda: self._sampled_step(bucket, needs))
         return self._graphs[key]
 
-    def _capture(self, warm_up, step) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(
+        self, warm_up: Callable[[], object], step: Callable[[], torch.Tensor]
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Run `warm_up` on a side stream, then capture `step` into a graph on the shared pool; the graph and
+        `step`'s output (rewritten by each replay)."""
         start = time.perf_counter()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
