@@ -124,6 +124,7 @@ class SlotBatch:
             int | tuple[int, tuple[bool, bool]], tuple[torch.cuda.CUDAGraph, torch.Tensor]
         ] = {}
         self._graph_pool = None
+        self._largest_logged = 0
         self.setup_s = {"cache_alloc_s": 0.0, "graph_capture_s": 0.0}
         """Cumulative seconds spent (re)allocating the cache and capturing graphs: both recur after each
         sleep, inside the prefill and decode time the engine reports."""
@@ -401,12 +402,15 @@ class SlotBatch:
         self.keys, self.values, self.length = keys, values, length
         self.drop_graphs()
         self.setup_s["cache_alloc_s"] += time.perf_counter() - start
-        logger.info(
+        # Rebuilt after every sleep: say it once per size, not at every training step.
+        logger.log(
+            logging.INFO if length > self._largest_logged else logging.DEBUG,
             "embedded engine: KV cache of %d slots x %d positions (%.2f GiB)",
             self.max_slots,
             length,
             self.max_slots * length * self.shape.bytes_per_token() / 2**30,
         )
+        self._largest_logged = max(self._largest_logged, length)
 
     def _check_memory(self, length: int) -> None:
         if self.device.type != "cuda":

@@ -2,6 +2,7 @@
 
 import asyncio
 import copy
+import logging
 
 import pytest
 import torch
@@ -167,7 +168,7 @@ def test_lora_adapter_changes_output_and_replaces_the_previous_one(engine, promp
         engine.load_lora_adapter("x", str(tmp_path))
 
 
-def test_sleep_holds_requests_until_wake_up(engine, prompts):
+def test_sleep_holds_requests_until_wake_up(engine, prompts, caplog):
     async def run():
         engine.sleep()
         assert engine.is_sleeping
@@ -196,7 +197,9 @@ def test_sleep_holds_requests_until_wake_up(engine, prompts):
     assert engine.stats()["kv_slots"] == 0  # ...and sleep frees it
     engine.wake_up()
     rebuilt = engine.stats()["busy_cache_alloc_s"]
-    asyncio.run(engine.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=2)))
+    with caplog.at_level(logging.INFO, logger="agentrl.rollout.engines._slot_batch"):
+        asyncio.run(engine.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=2)))
+    assert not [r for r in caplog.records if "KV cache of" in r.getMessage()]  # said once, not per wake-up
     assert engine.stats()["kv_slots"] >= 105  # the first request after waking rebuilds the cache...
     assert engine.stats()["busy_cache_alloc_s"] > rebuilt  # ...and that time is reported
     assert engine.stats()["busy_graph_capture_s"] == 0.0  # no CUDA graphs on CPU
