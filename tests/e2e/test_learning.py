@@ -40,13 +40,13 @@ def test_grpo_raises_held_out_accuracy_after_the_warm_start(tmp_path):
     )
     before = result.initial_val_metrics["val/accuracy"]
     after = result.metrics["val/accuracy"]
-    # The warm start answers about a third of the 40 held-out problems. One problem is 0.025 of accuracy, and
-    # two runs of the same code differ by a couple of problems (0.325 -> 0.45 and 0.325 -> 0.40: the engine's
-    # batches, hence float rounding and near-tie draws, depend on arrival timing), so the held-out check asks
-    # for 2 more problems and the steady signal is the training reward over 128 episodes a step: its mean over
-    # steps 21-30 was 0.15 above steps 1-10 in both runs (0.49 -> 0.63).
-    assert after >= before + 0.05, (before, after)
-    assert result.metrics["val/num_episodes"] == 40
+    # The warm start answers about half of the 200 held-out sums, and 25 GRPO steps raised that to 0.82 (seed 1 of
+    # docs/benchmarks.md: 0.58 -> 0.82). Two runs of the same code differ by a few problems (the engine's batches,
+    # hence float rounding and near-tie draws, depend on arrival timing), so the check asks for 20 more problems;
+    # the training reward over 128 episodes a step is the steadier signal: its mean over steps 21-30 was 0.16
+    # above steps 1-10 (0.32 -> 0.49).
+    assert after >= before + 0.10, (before, after)
+    assert result.metrics["val/num_episodes"] == 200
     history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     reward = [
         row["critic/full-score/mean"] for row in history if row.get("critic/full-score/mean") is not None

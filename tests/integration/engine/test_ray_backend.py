@@ -158,8 +158,8 @@ def test_the_warm_start_is_split_over_ray_workers_and_matches_the_local_one(tmp_
             runs[name] = _train(*_overrides(tmp_path / name, "tiny:qwen2", *warm, *extra))
         line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("warm start: "))
         sft[name] = ast.literal_eval(line[len("warm start: ") :])
-    # 6 batches of the 115 training rows (32, 32, 32, 19, 32, 32): rank 0 takes every other row of each.
-    assert sft["local"]["sft/rows_on_rank0"] == 179 and sft["ray"]["sft/rows_on_rank0"] == 90
+    # 6 batches of 32 of the 1000 training rows: rank 0 takes every other row of each.
+    assert sft["local"]["sft/rows_on_rank0"] == 192 and sft["ray"]["sft/rows_on_rank0"] == 96
     assert sft["ray"]["sft/final_loss"] == pytest.approx(sft["local"]["sft/final_loss"], rel=1e-4)
     a = load_file(runs["local"].export_dir / "model.safetensors")
     b = load_file(runs["ray"].export_dir / "model.safetensors")
