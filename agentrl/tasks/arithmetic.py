@@ -3,7 +3,7 @@
 Why this task: a tiny model on two CPU cores can learn it in minutes, and what it learns carries over to problems
 it never saw. Every held-out sum is new, but its digit columns (2 + 4, 3 + 5) are single-digit facts that the
 training sums also use, so a policy that learns to add column by column answers held-out sums too. After a short
-supervised warm start the policy answers about half of them; GRPO raises that by 20-30 points (docs/benchmarks.md,
+supervised warm start the policy answers a quarter to a half of them; GRPO adds 25-48 points (docs/benchmarks.md,
 3 seeds). Single-digit sums and differences ("What is 7 - 4?", `--kind single-digit`) were the default before:
 their 155 distinct problems leave too few to hold out 200, and on wider operand ranges what GRPO learned on the
 training problems did not reach the held-out ones (held-out accuracy levelled off at 0.25-0.30).

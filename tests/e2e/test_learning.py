@@ -40,11 +40,11 @@ def test_grpo_raises_held_out_accuracy_after_the_warm_start(tmp_path):
     )
     before = result.initial_val_metrics["val/accuracy"]
     after = result.metrics["val/accuracy"]
-    # The warm start answers about half of the 200 held-out sums, and 25 GRPO steps raised that to 0.82 (seed 1 of
-    # docs/benchmarks.md: 0.58 -> 0.82). Two runs of the same code differ by a few problems (the engine's batches,
-    # hence float rounding and near-tie draws, depend on arrival timing), so the check asks for 20 more problems;
-    # the training reward over 128 episodes a step is the steadier signal: its mean over steps 21-30 was 0.16
-    # above steps 1-10 (0.32 -> 0.49).
+    # The warm start answers about a quarter of the 200 held-out sums, and 25 GRPO steps raised that to 0.48 (seed 1
+    # in docs/benchmarks.md: 0.27 -> 0.48 -> 0.745 at step 100). Two runs of the same code differ by a few problems
+    # (the engine's batches, hence float rounding and near-tie draws, depend on arrival timing), so the check asks
+    # for 20 more problems. The training reward over 128 episodes a step rose from 0.12 (steps 1-10) to 0.22
+    # (steps 21-30) in that run.
     assert after >= before + 0.10, (before, after)
     assert result.metrics["val/num_episodes"] == 200
     history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -52,7 +52,7 @@ def test_grpo_raises_held_out_accuracy_after_the_warm_start(tmp_path):
         row["critic/full-score/mean"] for row in history if row.get("critic/full-score/mean") is not None
     ]
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
-    assert len(reward) == 30 and last >= first + 0.08, (first, last)
+    assert len(reward) == 30 and last >= first + 0.05, (first, last)
 
 
 def test_gae_trains_a_critic(tmp_path):
