@@ -1,8 +1,9 @@
 """The tool-agent cookbook as a user runs it: `python cookbooks/tool_agent/train.py <overrides>` in a subprocess.
 
-Needs `agentrl_tool_agent` installed (`make setup` installs `cookbooks/tool_agent` editable). A short warm start
-teaches the tiny policy to open a tool call; with `agent.max_steps=1` the gateway then refuses the call that would
-read the tool's result, so the run hits the step cap for real and the metrics must say so.
+Needs `agentrl_tool_agent` installed (`make setup` installs `cookbooks/tool_agent` editable). A short two-stage
+warm start (rows without the tool preamble, then with it) teaches the tiny policy to open a tool call; with
+`agent.max_steps=1` the gateway then refuses the call that would read the tool's result, so the run hits the
+step cap for real and the metrics must say so.
 """
 
 import subprocess
@@ -24,7 +25,8 @@ def test_train_py_warm_start_then_grpo_hits_the_step_cap_and_logs_tool_calls(tmp
     val.write_text("".join((SAMPLES / "test.jsonl").read_text().splitlines(keepends=True)[:4]))
     run_dir = tmp_path / "run"
     overrides = [
-        "sft.max_steps=60",
+        "--short-prompt-steps=60",
+        "sft.max_steps=20",
         "sft.batch_size=8",
         "data.train_batch_size=2",
         "actor_rollout_ref.rollout.n=2",
@@ -40,6 +42,7 @@ def test_train_py_warm_start_then_grpo_hits_the_step_cap_and_logs_tool_calls(tmp
         [sys.executable, str(TRAIN), *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, f"train.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert (run_dir / "warm_start" / "short_prompts" / "sft_model" / "config.json").is_file()
     assert (run_dir / "warm_start" / "sft_model" / "config.json").is_file()
     assert "held-out accuracy " in proc.stdout and " -> " in proc.stdout
     history = read_metrics_history(run_dir)

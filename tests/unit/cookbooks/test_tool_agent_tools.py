@@ -115,3 +115,20 @@ def test_sft_turns_render_as_the_flow_sends_them_and_targets_parse_as_the_calls(
         render_chat(tokenizer, flow_messages, tools=TOOL_SCHEMAS)[: len(first) + len(target)]
         == first + target
     )
+
+
+def test_short_prompt_sft_rows_keep_the_targets_and_drop_only_the_tool_preamble():
+    """train.py's first warm-start stage trains the same targets on prompts without the ~300-token preamble."""
+    tokenizer = load_tokenizer(resolve_model_path("tiny:qwen2"))
+    tasks = make_rows(4, 1, seed=0)[0]
+    full, short = sft_rows(tasks), sft_rows(tasks, with_tools=False)
+    assert all("tools" not in row for row in short) and all(row["tools"] == TOOL_SCHEMAS for row in full)
+    assert [r["extra_info"] for r in short] == [r["extra_info"] for r in full]
+    assert [r["prompt"] for r in short] == [r["prompt"] for r in full]
+    for s, f in zip(short, full, strict=True):
+        short_tokens = render_chat(tokenizer, s["prompt"])
+        full_tokens = render_chat(tokenizer, f["prompt"], tools=f["tools"])
+        assert 200 < len(full_tokens) - len(short_tokens) < 400
+        assert len(short_tokens) < 80
+        # The question ends both prompts the same way: only the system preamble differs.
+        assert full_tokens[-20:] == short_tokens[-20:]
