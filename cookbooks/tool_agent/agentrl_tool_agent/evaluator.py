@@ -44,35 +44,3 @@ class ToolAnswerEvaluator(Evaluator):
                 "correct": float(correct),
             },
         )
-
-
-def tool_results(episode: Episode) -> list[str]:
-    """What the tools returned, in order: the `tool` messages the last model call was sent."""
-    steps = [s for t in episode.trajectories for s in t.steps]
-    if not steps:
-        return []
-    return [str(m.get("content", "")) for m in steps[-1].messages if m.get("role") == "tool"]
-
-
-class PartialCreditToolAnswerEvaluator(ToolAnswerEvaluator):
-    """ToolAnswerEvaluator with partial credit for each half of a right episode.
-
-    A wrong episode scores `PARTIAL_CREDIT` when a tool returned the value the task needs (the call was
-    right) or when the answer repeats what a tool returned (the answer step read its observation); a right
-    one scores 1. A tiny policy seldom gets both halves right in one sample, so with 0/1 rewards most GRPO
-    groups are all 0 and teach nothing. `is_correct`, and so held-out accuracy, stays the strict check.
-    """
-
-    PARTIAL_CREDIT = 0.5
-
-    def evaluate(self, task: Task, episode: Episode) -> EvalOutput:
-        out = super().evaluate(task, episode)
-        needed = normalize_number(str(task["reward_model"]["ground_truth"]))
-        results = {normalize_number(r) for r in tool_results(episode) if _NUMBER.fullmatch(r.strip())}
-        predicted = extract_answer(episode.answer)
-        fetched = needed in results
-        faithful = predicted is not None and normalize_number(predicted) in results
-        out.metrics.update(fetched=float(fetched), faithful=float(faithful))
-        if not out.is_correct:
-            out.reward = self.PARTIAL_CREDIT * float(fetched or faithful)
-        return out
