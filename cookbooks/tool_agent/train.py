@@ -36,24 +36,25 @@ SHORT_PROMPT_STEPS = 175
 def warm_start(train_files: str, overrides: list[str], warm: Path, short_prompt_steps: int) -> int:
     """Run the warm-start stages that `warm` does not hold yet; the model ends in `warm/sft_model`."""
     task_rows = load_dataset_rows(train_files)
+
+    def sft_stage(rows: list[dict], folder: Path, *extra: str) -> int:
+        write_jsonl(rows, folder / "sft.jsonl")
+        return sft_main(
+            ["--config", str(CONFIG), *overrides, *extra]
+            + [f"data.train_files={folder / 'sft.jsonl'}", f"trainer.default_local_dir={folder}"]
+        )
+
     model = []
     if short_prompt_steps:
         short = warm / "short_prompts"
         if not (short / "sft_model" / "config.json").is_file():
-            write_jsonl(sft_rows(task_rows, with_tools=False), short / "sft.jsonl")
-            status = sft_main(
-                ["--config", str(CONFIG), *overrides]
-                + [f"data.train_files={short / 'sft.jsonl'}", f"trainer.default_local_dir={short}"]
-                + [f"sft.max_steps={short_prompt_steps}"]
+            status = sft_stage(
+                sft_rows(task_rows, with_tools=False), short, f"sft.max_steps={short_prompt_steps}"
             )
             if status:
                 return status
         model = [f"actor_rollout_ref.model.path={short / 'sft_model'}"]
-    write_jsonl(sft_rows(task_rows), warm / "sft.jsonl")
-    return sft_main(
-        ["--config", str(CONFIG), *overrides, *model]
-        + [f"data.train_files={warm / 'sft.jsonl'}", f"trainer.default_local_dir={warm}"]
-    )
+    return sft_stage(sft_rows(task_rows), warm, *model)
 
 
 def main(argv: list[str]) -> int:

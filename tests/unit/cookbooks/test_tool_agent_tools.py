@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from agentrl_tool_agent import TOOL_SCHEMAS, ToolAnswerEvaluator, ToolBox, calculate, extract_answer
@@ -132,3 +135,22 @@ def test_short_prompt_sft_rows_keep_the_targets_and_drop_only_the_tool_preamble(
         assert len(short_tokens) < 80
         # The question ends both prompts the same way: only the system preamble differs.
         assert full_tokens[-20:] == short_tokens[-20:]
+
+
+def test_train_py_refuses_a_negative_short_prompt_stage_before_any_work(tmp_path):
+    """A bad `--short-prompt-steps` is named in the error and nothing is trained or written."""
+    train = Path(__file__).resolve().parents[3] / "cookbooks" / "tool_agent" / "train.py"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(train),
+            "--short-prompt-steps=-1",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--short-prompt-steps must be 0 or more, got -1" in proc.stderr
+    assert not (tmp_path / "run").exists()
