@@ -6,7 +6,7 @@ Write an `AgentFlow` against the OpenAI API, an `Evaluator` that scores it, and 
 
 from agentrl.evaluator import Evaluator, MathAnswerMatch, evaluator
 from agentrl.flow import AgentFlow, RolloutContext, SingleTurnChatFlow, agent_flow
-from agentrl.rollout_files import load_rollouts
+from agentrl.runs.rollout_files import load_rollouts
 from agentrl.types import Episode, EvalOutput, Step, Task, TerminationReason, Trajectory
 
 

@@ -211,7 +211,7 @@ class AgentTrainer:
         Ctrl-C ends the tracked run as KILLED and says where a rerun resumes; an error ends it as
         FAILED. A run that resumes at its last step trains nothing and reports the metrics it logged.
         """
-        from agentrl.engine.controller import Controller
+        from agentrl.training.controller import Controller
 
         setup_logging()
         run_dir = Path(self.config.trainer.default_local_dir)
@@ -274,7 +274,7 @@ def _logged_steps(run_dir: Path) -> dict[int, dict[str, float]]:
 
 
 def _plot(run_dir: Path) -> None:
-    from agentrl.plotting import plot_training_curves
+    from agentrl.runs.plotting import plot_training_curves
     from agentrl.tracking import read_metrics_history
 
     history = read_metrics_history(run_dir)

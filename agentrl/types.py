@@ -9,7 +9,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 
 class TerminationReason(str, Enum):
@@ -61,13 +61,25 @@ class GenerationOutput(BaseModel):
     top_logprobs: list[dict[int, float]] | None = None
 
 
+def logprob_count_problem(response_ids: list[int], logprobs: list[float]) -> str | None:
+    """Why a call's token ids and logprobs cannot train together (one log-prob per sampled token), or None.
+
+    Checked where a server's answer becomes a trace and again where a step becomes a training row (a flow
+    may build its steps itself).
+    """
+    if len(logprobs) == len(response_ids):
+        return None
+    return f"{len(response_ids)} token ids but {len(logprobs)} logprobs"
+
+
 class Trace(BaseModel):
     """One model call as the gateway saw it: the ground truth training uses (token in, token out)."""
 
     session_id: str
     request_id: str
     prompt_ids: list[int]
-    completion_ids: list[int]
+    response_ids: list[int] = Field(validation_alias=AliasChoices("response_ids", "completion_ids"))
+    """The sampled token ids (`completion_ids` before format 2 of the trace JSON; still read)."""
     logprobs: list[float]
     finish_reason: str
     policy_version: int = 0

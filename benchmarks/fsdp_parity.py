@@ -18,7 +18,7 @@ import time
 import torch
 
 from agentrl.config import load_config
-from agentrl.engine.assembly import TrainingRow, rows_to_batch
+from agentrl.training.update.assembly import TrainingRow, rows_to_batch
 
 
 def synthetic_batch(rows: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0):
@@ -42,8 +42,8 @@ def synthetic_batch(rows: int, prompt_len: int, response_len: int, vocab: int, s
 
 
 def measure(devices: int, args: argparse.Namespace, batch) -> dict:
-    from agentrl.engine.policy_worker import PolicyWorker
-    from agentrl.engine.ray_cluster import RayCluster
+    from agentrl.training.workers.policy_worker import PolicyWorker
+    from agentrl.training.workers.ray_cluster import RayCluster
 
     config = load_config(
         [

@@ -39,13 +39,13 @@ import torch
 
 from agentrl.flow import SingleTurnChatFlow
 from agentrl.models import load_causal_lm, load_tokenizer
+from agentrl.rollout.app import build_server_app
 from agentrl.rollout.chat import render_chat
 from agentrl.rollout.collector import CollectorLimits, RolloutCollector
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.rollout.gateway import Gateway
-from agentrl.rollout.http_server import start_server_in_thread
 from agentrl.rollout.pool import RolloutPool
-from agentrl.rollout.server import build_server_app
+from agentrl.rollout.uvicorn_thread import start_server_in_thread
 from agentrl.types import SamplingParams, Task
 
 MODEL_NAME = "bench"

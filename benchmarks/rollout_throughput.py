@@ -25,9 +25,9 @@ import time
 import torch
 
 from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
+from agentrl.rollout.app import build_server_app
 from agentrl.rollout.engines.embedded import EmbeddedEngine
-from agentrl.rollout.http_server import start_server_in_thread
-from agentrl.rollout.server import build_server_app
+from agentrl.rollout.uvicorn_thread import start_server_in_thread
 
 CONCURRENCY = (1, 8, 64)
 

@@ -18,8 +18,8 @@ import time
 import torch
 
 from agentrl.config import load_config
-from agentrl.engine.assembly import TrainingRow, rows_to_batch
-from agentrl.engine.policy_worker import PolicyWorker
+from agentrl.training.update.assembly import TrainingRow, rows_to_batch
+from agentrl.training.workers.policy_worker import PolicyWorker
 
 
 def make_batch(rows: int, prompt: int, response: int, group: int, pad_token_id: int, vocab: int):

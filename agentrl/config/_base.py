@@ -24,3 +24,11 @@ class Section(BaseModel):
     """Base of every config model: unknown keys are errors, field docstrings become descriptions."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+def register_resolvers() -> None:
+    """Register `${agentrl.pkg:relative/path}` (absolute path of a file shipped in the package)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("agentrl.pkg"):
+        OmegaConf.register_new_resolver("agentrl.pkg", package_path)

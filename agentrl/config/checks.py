@@ -289,7 +289,7 @@ def _resolve_interpolations(cfg: AgentRLConfig) -> None:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from agentrl.config.loading import register_resolvers
+    from agentrl.config._base import register_resolvers
 
     register_resolvers()
     try:

@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from agentrl.config._base import package_path
+from agentrl.config._base import register_resolvers
 from agentrl.config.aliases import fold_alias_section, given_agent_keys, translate_override_aliases
 from agentrl.config.errors import ConfigError
 from agentrl.config.problems import describe_unknown_key, format_validation_errors, schema_keys
@@ -47,14 +47,6 @@ CONFIG_NAME = "agent_ppo_trainer"
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 _OVERRIDE_HELP = "overrides look like key=value, e.g. actor_rollout_ref.model.lora_rank=8"
-
-
-def register_resolvers() -> None:
-    """Register `${agentrl.pkg:relative/path}` (absolute path of a file shipped in the package)."""
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("agentrl.pkg"):
-        OmegaConf.register_new_resolver("agentrl.pkg", package_path)
 
 
 def config_dir() -> Path:

@@ -20,7 +20,7 @@ import openai
 
 from agentrl.flow import AgentFlow, RolloutContext
 from agentrl.rollout.gateway import TURN_LIMIT_CODE
-from agentrl.rollout.http_server import InProcessFirstTransport
+from agentrl.rollout.uvicorn_thread import InProcessFirstTransport
 from agentrl.types import Episode, Step, Task, TerminationReason, Trace, Trajectory
 
 _RETRYABLE = (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError)
@@ -192,7 +192,7 @@ def step_from_trace(trace: Trace) -> Step:
     """A Step carrying exactly the tokens and logprobs the engine produced for one call."""
     return Step(
         prompt_ids=trace.prompt_ids,
-        response_ids=trace.completion_ids,
+        response_ids=trace.response_ids,
         logprobs=trace.logprobs,
         images=trace.images or [],
         messages=trace.messages or [],

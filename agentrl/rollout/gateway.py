@@ -38,7 +38,7 @@ from agentrl.rollout._openai_protocol import ChatMessageIn, SamplingFields
 from agentrl.rollout.admin_auth import AdminAuthError, build_admin_guard, resolve_admin_token
 from agentrl.rollout.pool import RolloutPool
 from agentrl.rollout.traces import TraceStore, UnknownSessionError
-from agentrl.types import SamplingParams, Trace
+from agentrl.types import SamplingParams, Trace, logprob_count_problem
 
 _TOKEN_FIELDS = ("prompt_token_ids", "token_ids", "prompt_images")
 
@@ -318,22 +318,23 @@ def extract_traces(body: dict[str, Any], session_id: str, *, chat: bool, message
     request_id = str(body.get("id") or uuid.uuid4().hex)
     for i, choice in enumerate(body.get("choices") or []):
         prompt_ids = body.get("prompt_token_ids") if chat else choice.get("prompt_token_ids")
-        completion_ids = choice.get("token_ids")
-        if prompt_ids is None or completion_ids is None:
+        response_ids = choice.get("token_ids")
+        if prompt_ids is None or response_ids is None:
             raise ValueError(f"choices[{i}] lacks prompt_token_ids/token_ids")
         lp = choice.get("logprobs") or {}
         logprobs = (
             [e["logprob"] for e in lp.get("content") or []] if chat else list(lp.get("token_logprobs") or [])
         )
-        if len(logprobs) != len(completion_ids):
-            raise ValueError(f"choices[{i}] has {len(completion_ids)} token ids but {len(logprobs)} logprobs")
+        problem = logprob_count_problem(response_ids, logprobs)
+        if problem:
+            raise ValueError(f"choices[{i}] has {problem}")
         message = choice.get("message") or {}
         traces.append(
             Trace(
                 session_id=session_id,
                 request_id=request_id,
                 prompt_ids=list(prompt_ids),
-                completion_ids=list(completion_ids),
+                response_ids=list(response_ids),
                 logprobs=[float(x) for x in logprobs],
                 finish_reason=str(choice.get("finish_reason") or ""),
                 messages=messages if chat else None,
@@ -442,7 +443,7 @@ class Gateway:
         self._handle: Any = None
 
     def start(self) -> Gateway:
-        from agentrl.rollout.http_server import start_server_in_thread
+        from agentrl.rollout.uvicorn_thread import start_server_in_thread
 
         self._handle = start_server_in_thread(self.app, self._host, self._port)
         return self

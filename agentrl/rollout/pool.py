@@ -17,7 +17,7 @@ Both engines sit behind the same pool; only their admin routes differ:
 | sleep / wake up   | POST /sleep, POST /wake_up      | POST /sleep?level=1, POST /wake_up                                   |
 
 Admin calls carry the servers' bearer token when one is set (`admin_auth.py`). A server whose app
-runs in this process (`http_server.find_local_app`) is called in-process through
+runs in this process (`uvicorn_thread.find_local_app`) is called in-process through
 `httpx.ASGITransport`: same routes and answers, no TCP hop and no second event loop. Its generation
 routes are called as Python (`server.DirectCalls`): the same answer as a dict, without the ASGI hop and
 the JSON of every token's logprob entry.
@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import httpx
 
 from agentrl.rollout.admin_auth import admin_headers
-from agentrl.rollout.http_server import InProcessFirstTransport, find_local_app
+from agentrl.rollout.uvicorn_thread import InProcessFirstTransport, find_local_app
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ The controller builds one tracker with `build_tracker(cfg.trainer.logger, ...)`,
 manager). MLflow is imported only when the `mlflow` logger is asked for.
 """
 
+from agentrl.runs.history import read_metrics_history
 from agentrl.tracking.console import format_console_line
-from agentrl.tracking.history import read_metrics_history
 from agentrl.tracking.progress import progress_bar, set_progress_postfix
 from agentrl.tracking.tracker import ALLOWED_LOGGERS, Tracker, build_tracker, flatten_config
 

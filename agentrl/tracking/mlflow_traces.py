@@ -2,7 +2,7 @@
 
 `mlflow ui` then shows each episode as a conversation, and `mlflow.search_traces` finds them by the
 `agentrl.*` tags (step, split, task, reward, termination reason, filtered). The records are those of
-`agentrl.engine.rollout_log`, so a trace shows exactly what the step's JSONL file holds (token ids left out).
+`agentrl.runs.rollout_writer`, so a trace shows exactly what the step's JSONL file holds (token ids left out).
 
 MLflow's tracing API exports to the process-wide tracking URI, in background threads. The writer points it
 at the run's store on first use and puts the previous URI (and `MLFLOW_TRACKING_URI`) back when it closes,
@@ -43,7 +43,7 @@ def use_tracking_uri(uri: str) -> Iterator[None]:
 
 
 class EpisodeTraceWriter:
-    """Logs episodes (agentrl.engine.rollout_log records) as traces of one MLflow run."""
+    """Logs episodes (agentrl.runs.rollout_writer records) as traces of one MLflow run."""
 
     def __init__(self, *, tracking_uri: str, experiment_id: str, run_id: str) -> None:
         self.tracking_uri = tracking_uri

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from agentrl.runs.history import METRICS_FILE, read_metrics_history
 from agentrl.tracking.console import ConsoleBackend
-from agentrl.tracking.history import METRICS_FILE, read_metrics_history
 
 ALLOWED_LOGGERS = ("console", "mlflow")
 _TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
@@ -88,7 +88,7 @@ class Tracker:
             backend.log(values, step)
 
     def log_rollouts(self, records: list[dict[str, Any]], step: int) -> None:
-        """Hand one step's saved episodes (agentrl.engine.rollout_log records) to backends that show them."""
+        """Hand one step's saved episodes (agentrl.runs.rollout_writer records) to backends that show them."""
         for backend in self.backends.values():
             backend.log_rollouts(records, step)
 

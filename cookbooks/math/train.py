@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from agentrl import AgentTrainer
+from agentrl.cli.train import import_object
 from agentrl.config import ConfigError, load_config
-from agentrl.trainer_cli import import_object
 
 CONFIG = Path(__file__).resolve().parent / "config" / "math.yaml"
 

@@ -23,9 +23,10 @@ from pathlib import Path
 from agentrl_tool_agent.prepare_data import SAMPLES, sft_rows, write_jsonl
 
 from agentrl import AgentTrainer
+from agentrl.cli.sft import main as sft_main
+from agentrl.cli.train import import_object
 from agentrl.config import ConfigError, load_config
 from agentrl.data import load_dataset_rows
-from agentrl.trainer_cli import import_object, sft_main
 
 CONFIG = Path(__file__).resolve().parent / "config" / "tool_agent.yaml"
 DEFAULT_DATA = {"data.train_files": SAMPLES / "train.jsonl", "data.val_files": SAMPLES / "test.jsonl"}

@@ -15,8 +15,8 @@ from pathlib import Path
 from agentrl_vlm.prepare_data import write_dataset
 
 from agentrl import AgentTrainer
+from agentrl.cli.train import import_object
 from agentrl.config import ConfigError, load_config
-from agentrl.trainer_cli import import_object
 
 CONFIG = Path(__file__).resolve().parent / "config" / "vlm.yaml"
 

@@ -110,8 +110,8 @@ def test_quickstart_runs_as_written(tmp_path, monkeypatch, served_policy):
 
     # Section 6: the flow ran against the served policy and its one call was traced with tokens.
     [trace] = namespace["traces"]
-    assert trace["prompt_ids"] and trace["completion_ids"]
-    assert len(trace["logprobs"]) == len(trace["completion_ids"])
+    assert trace["prompt_ids"] and trace["response_ids"]
+    assert len(trace["logprobs"]) == len(trace["response_ids"])
     assert isinstance(namespace["answer"], str)
 
     # Section 7: two steps trained; validation before and after; every output of section 8 is there.

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from agentrl_tool_agent.prepare_data import SAMPLES
 
-from agentrl.tracking.history import read_metrics_history
+from agentrl.runs.history import read_metrics_history
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "cookbooks" / "tool_agent" / "train.py"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.tracking.history import read_metrics_history
+from agentrl.runs.history import read_metrics_history
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "cookbooks" / "vlm" / "train.py"

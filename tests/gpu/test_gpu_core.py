@@ -35,9 +35,9 @@ def test_fingerprint_of_a_tensor_past_2_pow_24_elements_on_cuda():
 def test_the_compiled_log_prob_head_equals_whole_logits_on_cuda():
     """What training runs on a GPU (`actor.use_torch_compile`): values and the gradients they send into every
     weight, against the whole (B, L, V) logits in float32 (the 0.5B shape in fp32, 151,936-token vocabulary)."""
-    from agentrl.engine.assembly import TrainingRow, rows_to_batch
-    from agentrl.engine.forward import compute_log_probs
     from agentrl.models import load_causal_lm
+    from agentrl.training.update.assembly import TrainingRow, rows_to_batch
+    from agentrl.training.update.forward import compute_log_probs
 
     torch.manual_seed(0)
     model = load_causal_lm(SHAPE, dtype="float32", device="cuda")
@@ -75,7 +75,7 @@ def _batch_from_rollouts(worker, prompts: int = 4, n: int = 4):
     """Real rollouts from the worker's engine (token ids and logprobs), assembled into a TrainBatch."""
     import asyncio
 
-    from agentrl.engine.assembly import TrainingRow, rows_to_batch
+    from agentrl.training.update.assembly import TrainingRow, rows_to_batch
     from agentrl.types import SamplingParams
 
     engine = worker.rollout.engine
@@ -89,8 +89,8 @@ def _batch_from_rollouts(worker, prompts: int = 4, n: int = 4):
                 rows.append(
                     TrainingRow(
                         input_ids=prompt + out.token_ids,
-                        loss_mask=[0] * len(prompt) + [1] * len(out.token_ids),
-                        rollout_logprobs=[0.0] * len(prompt) + out.logprobs,
+                        response_mask=[0] * len(prompt) + [1] * len(out.token_ids),
+                        rollout_log_probs=[0.0] * len(prompt) + out.logprobs,
                         reward=float(i % 2),
                         group_key=f"t{p}",
                         trajectory_key=f"t{p}-{i}",
@@ -105,7 +105,7 @@ def _batch_from_rollouts(worker, prompts: int = 4, n: int = 4):
 
 @pytest.mark.parametrize("lora_rank", [0, 32])
 def test_a_bf16_policy_step_with_weight_sync_on_the_0_5b_shape(tmp_path, lora_rank):
-    from agentrl.engine.policy_worker import PolicyWorker
+    from agentrl.training.workers.policy_worker import PolicyWorker
 
     config = load_config(
         [

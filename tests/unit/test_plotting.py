@@ -5,7 +5,7 @@ import struct
 import subprocess
 import sys
 
-from agentrl.plotting import plot_training_curves
+from agentrl.runs.plotting import plot_training_curves
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -53,7 +53,7 @@ def test_plot_with_missing_series_says_not_logged(tmp_path):
 
 def test_plot_does_not_touch_pyplot(tmp_path):
     code = (
-        "import sys; from pathlib import Path; from agentrl.plotting import plot_training_curves;"
+        "import sys; from pathlib import Path; from agentrl.runs.plotting import plot_training_curves;"
         f"plot_training_curves([{{'step': 1, 'actor/entropy': 1.0}}], Path({str(tmp_path / 'a.png')!r}));"
         "print('matplotlib.pyplot' in sys.modules)"
     )

@@ -11,13 +11,12 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from agentrl.config import AgentRLConfig
+    pass
 
 
 class ProbeResult(NamedTuple):
@@ -52,30 +51,6 @@ class PolicyServing(Protocol):
 
     def stop(self) -> None:
         """Stop every server and process the backend started."""
-
-
-def start_policy_serving(
-    model_path: str,
-    tokenizer: Any,
-    config: AgentRLConfig,
-    *,
-    device: str,
-    policy: torch.nn.Module | None = None,
-) -> PolicyServing:
-    """Start the engine `actor_rollout_ref.rollout.name` names, serving the weights at `model_path`.
-
-    `policy`: the trainer's module, which the embedded engine then serves itself instead of loading a copy.
-    """
-    name = config.actor_rollout_ref.rollout.name
-    if name == "embedded":
-        from agentrl.rollout.serving.embedded import start_embedded_serving
-
-        return start_embedded_serving(model_path, tokenizer, config, device=device, policy=policy)
-    if name == "vllm":
-        from agentrl.rollout.serving.vllm import start_vllm_serving
-
-        return start_vllm_serving(model_path, config, run_dir=Path(config.trainer.default_local_dir))
-    raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is not an engine; use 'embedded' or 'vllm'")
 
 
 def probe_server(

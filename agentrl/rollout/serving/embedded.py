@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from agentrl.models import load_causal_lm
+from agentrl.rollout.app import build_server_app
 from agentrl.rollout.engines.embedded import EmbeddedEngine
-from agentrl.rollout.http_server import ServerHandle, start_server_in_thread
-from agentrl.rollout.server import build_server_app
 from agentrl.rollout.serving.base import ProbeResult, probe_server
+from agentrl.rollout.uvicorn_thread import ServerHandle, start_server_in_thread
 
 if TYPE_CHECKING:
     from agentrl.config import AgentRLConfig

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
+from agentrl.rollout.app import DirectCalls, build_server_app
 from agentrl.rollout.engines.embedded import EmbeddedEngine
-from agentrl.rollout.http_server import start_server_in_thread
 from agentrl.rollout.pool import RolloutPool
-from agentrl.rollout.server import DirectCalls, build_server_app
+from agentrl.rollout.uvicorn_thread import start_server_in_thread
 
 CHAT = {
     "model": "tiny",

@@ -9,10 +9,10 @@ import openai
 import pytest
 import torch
 
+from agentrl.rollout.app import build_server_app
 from agentrl.rollout.chat import render_chat
 from agentrl.rollout.engines.embedded import EmbeddedEngine, fingerprint_state_dict
-from agentrl.rollout.http_server import start_server_in_thread
-from agentrl.rollout.server import build_server_app
+from agentrl.rollout.uvicorn_thread import start_server_in_thread
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny:qwen2-mini"

@@ -98,11 +98,9 @@ def _check_trace_is_the_rendered_call(
     prompt = trace["prompt_ids"]
     assert full[: len(prompt)] == prompt
     rendered = full[len(prompt) :]
-    assert tokenizer.decode(trace["completion_ids"]) == tokenizer.decode(rendered[: rendered.index(EOS) + 1])
-    assert (
-        trace["completion_ids"][0] == 3 and trace["completion_ids"][-1] == EOS
-    )  # <tool_call> ... <|im_end|>
-    expected = _teacher_forced_logprobs(policy, prompt, trace["completion_ids"])
+    assert tokenizer.decode(trace["response_ids"]) == tokenizer.decode(rendered[: rendered.index(EOS) + 1])
+    assert trace["response_ids"][0] == 3 and trace["response_ids"][-1] == EOS  # <tool_call> ... <|im_end|>
+    expected = _teacher_forced_logprobs(policy, prompt, trace["response_ids"])
     got = torch.tensor(trace["logprobs"])
     assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
     # `<tool_call>` was the only token the mask allowed first: a masked logprob would be 0, the raw one is not.
@@ -185,7 +183,7 @@ def test_response_format_json_schema_and_json_object(base, policy):
         assert reply.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
         (trace,) = _traces(base, session)
-        expected = _teacher_forced_logprobs(policy, trace["prompt_ids"], trace["completion_ids"])
+        expected = _teacher_forced_logprobs(policy, trace["prompt_ids"], trace["response_ids"])
         assert torch.allclose(torch.tensor(trace["logprobs"]), expected, atol=1e-4)
     reply = _client(base, "json-object").chat.completions.create(
         model=MODEL, messages=USER, response_format={"type": "json_object"}, seed=0, max_tokens=24
@@ -205,9 +203,9 @@ def _check_round_trip_traces(tokenizer, traces: list[dict]) -> None:
     """First call: the forced call; second: the answer, whose prompt continues the first call's text
     with the tool result (token for token too when the policy drew the template's tokenization)."""
     first, second = traces[0], traces[1]
-    assert first["completion_ids"][0] == 3 and 4 in first["completion_ids"]  # <tool_call> ... </tool_call>
-    assert first["completion_ids"][-1] == EOS
-    before = tokenizer.decode(first["prompt_ids"] + first["completion_ids"])
+    assert first["response_ids"][0] == 3 and 4 in first["response_ids"]  # <tool_call> ... </tool_call>
+    assert first["response_ids"][-1] == EOS
+    before = tokenizer.decode(first["prompt_ids"] + first["response_ids"])
     after = tokenizer.decode(second["prompt_ids"])
     assert after.startswith(before) and "<tool_response>\nsunny in " in after[len(before) :]
 

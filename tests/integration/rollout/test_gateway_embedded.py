@@ -14,11 +14,11 @@ import openai
 import pytest
 
 from agentrl.models import resolve_model_path
+from agentrl.rollout.app import build_server_app
 from agentrl.rollout.engines.embedded import build_embedded_engine
 from agentrl.rollout.gateway import Gateway
-from agentrl.rollout.http_server import start_server_in_thread
 from agentrl.rollout.pool import RolloutPool
-from agentrl.rollout.server import build_server_app
+from agentrl.rollout.uvicorn_thread import start_server_in_thread
 from agentrl.types import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -53,8 +53,8 @@ def _client(gateway: Gateway, mode: str = "train", sid: str | None = None) -> tu
 
 
 def _check_trace(trace, gateway: Gateway) -> None:
-    assert trace.prompt_ids and trace.completion_ids
-    assert len(trace.logprobs) == len(trace.completion_ids) <= MAX_TOKENS
+    assert trace.prompt_ids and trace.response_ids
+    assert len(trace.logprobs) == len(trace.response_ids) <= MAX_TOKENS
     assert all(lp <= 0.0 for lp in trace.logprobs)
     assert trace.server in {s.url for s in gateway.pool.servers}
     assert trace.latency_s > 0
@@ -73,7 +73,7 @@ def test_sync_chat_is_an_ordinary_response_and_is_traced(stack: Gateway) -> None
     assert trace.messages == MSG and trace.completion_text == choice.message.content
     assert trace.finish_reason == choice.finish_reason
     # Train mode enforces temperature 1.0 and the token cap, whatever the client asked for.
-    assert reply.usage.completion_tokens == len(trace.completion_ids) <= MAX_TOKENS
+    assert reply.usage.completion_tokens == len(trace.response_ids) <= MAX_TOKENS
 
 
 def test_token_ids_and_logprobs_when_the_client_asks(stack: Gateway) -> None:
@@ -83,7 +83,7 @@ def test_token_ids_and_logprobs_when_the_client_asks(stack: Gateway) -> None:
     )
     (trace,) = stack.session_traces(sid)
     assert reply.model_extra["prompt_token_ids"] == trace.prompt_ids
-    assert reply.choices[0].model_extra["token_ids"] == trace.completion_ids
+    assert reply.choices[0].model_extra["token_ids"] == trace.response_ids
     assert [e.logprob for e in reply.choices[0].logprobs.content] == pytest.approx(trace.logprobs)
 
 
@@ -114,7 +114,7 @@ def test_async_completions_n2_and_streaming(stack: Gateway) -> None:
     assert [c.text for c in comp.choices] == [traces[0].completion_text, traces[1].completion_text]
     assert traces[0].messages is None and traces[0].prompt_ids == traces[1].prompt_ids
     assert streamed == traces[2].completion_text and finish == traces[2].finish_reason
-    assert usage.completion_tokens == len(traces[2].completion_ids)
+    assert usage.completion_tokens == len(traces[2].response_ids)
     assert ctext == traces[3].completion_text
 
 
@@ -124,7 +124,7 @@ def test_validation_mode_is_greedy_whatever_the_client_sends(stack: Gateway) -> 
         client.chat.completions.create(model=MODEL, messages=MSG, temperature=1.7, top_p=0.5).choices[0]
         for _ in range(3)
     ]
-    ids = [t.completion_ids for t in stack.session_traces(sid)]
+    ids = [t.response_ids for t in stack.session_traces(sid)]
     assert ids[0] == ids[1] == ids[2] and len({o.message.content for o in outs}) == 1
 
 
@@ -202,8 +202,8 @@ def test_unknown_session_is_404_and_bad_fields_are_4xx(stack: Gateway) -> None:
 _SUBPROCESS_SERVER = """
 import sys, threading
 from agentrl.rollout.engines.embedded import build_embedded_engine
-from agentrl.rollout.http_server import start_server_in_thread
-from agentrl.rollout.server import build_server_app
+from agentrl.rollout.uvicorn_thread import start_server_in_thread
+from agentrl.rollout.app import build_server_app
 engine = build_embedded_engine(sys.argv[1], max_model_len=256)
 handle = start_server_in_thread(build_server_app(engine, engine.tokenizer, model_name=sys.argv[2], max_model_len=256))
 print(handle.url, flush=True)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from agentrl.rollout.http_server import InProcessFirstTransport, start_server_in_thread
+from agentrl.rollout.uvicorn_thread import InProcessFirstTransport, start_server_in_thread
 
 
 def _app() -> FastAPI:

@@ -62,8 +62,8 @@ def test_serve_embedded_two_servers(tmp_path: Path) -> None:
         )
         assert r.status_code == 200, r.text
         traces = httpx.get(f"{base}/sessions/demo/traces").json()
-        assert len(traces) == 1 and 1 <= len(traces[0]["completion_ids"]) <= 5
-        assert len(traces[0]["logprobs"]) == len(traces[0]["completion_ids"])
+        assert len(traces) == 1 and 1 <= len(traces[0]["response_ids"]) <= 5
+        assert len(traces[0]["logprobs"]) == len(traces[0]["response_ids"])
     finally:
         out = _interrupt(proc)
     assert proc.returncode == 0, out
@@ -99,7 +99,7 @@ def test_serve_vision_language_answers_an_openai_client_with_a_png(tmp_path: Pat
         # 100x60 -> 112x56 pixels -> a 4x8 patch grid -> 8 tokens after the 2x2 merge.
         assert trace["prompt_ids"].count(image_pad) == 8
         assert len(trace["images"]) == 1 and trace["images"][0].startswith("data:image/png;base64,")
-        assert len(trace["logprobs"]) == len(trace["completion_ids"]) >= 1
+        assert len(trace["logprobs"]) == len(trace["response_ids"]) >= 1
         with pytest.raises(openai.BadRequestError, match="remote image URL"):
             client.chat.completions.create(
                 model="tiny:qwen2-vl",

@@ -14,11 +14,11 @@ import openai
 import pytest
 import torch
 
+from agentrl.rollout.app import build_server_app
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.rollout.gateway import Gateway
-from agentrl.rollout.http_server import start_server_in_thread
 from agentrl.rollout.pool import RolloutPool
-from agentrl.rollout.server import build_server_app
+from agentrl.rollout.uvicorn_thread import start_server_in_thread
 from agentrl.types import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -87,7 +87,7 @@ def test_the_gateway_passes_the_extensions_through(eos_case):
         assert _complete(gateway.open_session("a"))[0] == reference[: eos_at + 1]
         assert _complete(gateway.open_session("b"), ignore_eos=True) == (reference, "length")
         (trace,) = gateway.session_traces("b")
-        assert trace.completion_ids == reference and trace.finish_reason == "length"
+        assert trace.response_ids == reference and trace.finish_reason == "length"
 
 
 def test_requests_the_server_refuses_name_the_field(server_url):

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from agentrl.config import load_config
-from agentrl.engine.weight_sync import check_probe
 from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
 from agentrl.rollout.engines.embedded import fingerprint_state_dict
 from agentrl.rollout.serving import start_policy_serving
+from agentrl.training.parallel.weight_sync import check_probe
 
 pytestmark = pytest.mark.slow
 

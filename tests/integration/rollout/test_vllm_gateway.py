@@ -49,7 +49,7 @@ def stack(tmp_path_factory):
 def _greedy(gateway: Gateway, sid: str) -> list[int]:
     client = openai.OpenAI(base_url=gateway.open_session(sid, "validation"), api_key="x", max_retries=0)
     client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=8)
-    return gateway.session_traces(sid)[-1].completion_ids
+    return gateway.session_traces(sid)[-1].response_ids
 
 
 def test_concurrent_sessions_are_traced_with_token_ids_and_logprobs(stack) -> None:
@@ -80,8 +80,8 @@ def test_concurrent_sessions_are_traced_with_token_ids_and_logprobs(stack) -> No
         traces = gateway.session_traces(f"c{i}")
         assert [t.choice_index for t in traces] == [0, 0, 0, 1]
         for t in traces:
-            assert t.prompt_ids and 1 <= len(t.completion_ids) <= 8
-            assert len(t.logprobs) == len(t.completion_ids) and all(lp <= 0 for lp in t.logprobs)
+            assert t.prompt_ids and 1 <= len(t.response_ids) <= 8
+            assert len(t.logprobs) == len(t.response_ids) and all(lp <= 0 for lp in t.logprobs)
             assert t.policy_version == 0
         assert len({t.server for t in traces}) == 1  # sticky
         assert traces[1].prompt_ids[: len(traces[0].prompt_ids)] == traces[0].prompt_ids
@@ -105,7 +105,7 @@ def test_min_tokens_and_ignore_eos_reach_vllm_under_its_names(stack) -> None:
         body = {"ignore_eos": True, **extra}  # EOS never cuts an answer short here; stop tokens still do
         reply = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, extra_body=body)
         (trace,) = gateway.session_traces(sid)
-        return trace.completion_ids, reply.choices[0].finish_reason
+        return trace.response_ids, reply.choices[0].finish_reason
 
     reference, finish = greedy("ext-ref")
     assert (len(reference), finish) == (8, "length")

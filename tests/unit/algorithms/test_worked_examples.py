@@ -20,11 +20,11 @@ from agentrl.algorithms import (
     rejection_sample_keep,
 )
 from agentrl.config import ConfigError, validate_config
-from agentrl.engine.assembly import episodes_to_rows, rows_to_batch
-from agentrl.engine.batch_advantages import compute_batch_advantages
-from agentrl.engine.controller import Controller
-from agentrl.engine.metrics import compute_episode_metrics
 from agentrl.rollout.collector import CollectorLimits, RolloutCollector, classify_termination
+from agentrl.training.controller import Controller
+from agentrl.training.metrics import compute_episode_metrics
+from agentrl.training.update.assembly import episodes_to_rows, rows_to_batch
+from agentrl.training.update.batch_advantages import compute_batch_advantages
 from agentrl.types import Episode, Step, TerminationReason, Trace, Trajectory
 
 S2 = 1 / math.sqrt(2)

@@ -10,9 +10,9 @@ from fastapi import FastAPI
 
 from agentrl.rollout.admin_auth import ADMIN_TOKEN_ENV, is_loopback, resolve_admin_token
 from agentrl.rollout.gateway import build_gateway_app
-from agentrl.rollout.http_server import start_server_in_thread
 from agentrl.rollout.pool import RolloutPool
 from agentrl.rollout.traces import TraceStore
+from agentrl.rollout.uvicorn_thread import start_server_in_thread
 from agentrl.types import SamplingParams
 
 TRAIN = SamplingParams(max_tokens=8)

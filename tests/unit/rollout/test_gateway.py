@@ -73,7 +73,7 @@ def test_call_seeds_are_reproducible_and_distinct_per_session_and_call() -> None
 
 def test_extract_traces_reads_vllm_fields_and_checks_lengths() -> None:
     (t,) = extract_traces(_chat_response(), "s", chat=True, messages=MSG)
-    assert (t.prompt_ids, t.completion_ids, t.logprobs) == ([1, 2, 3], [10, 11], [-0.5, -1.25])
+    assert (t.prompt_ids, t.response_ids, t.logprobs) == ([1, 2, 3], [10, 11], [-0.5, -1.25])
     assert (t.finish_reason, t.completion_text, t.request_id, t.messages) == (
         "length",
         "ab",
@@ -86,7 +86,7 @@ def test_extract_traces_reads_vllm_fields_and_checks_lengths() -> None:
         {"index": 1, "text": "yz", "prompt_token_ids": [4], "token_ids": [6, 7], "finish_reason": "length",
          "logprobs": {"token_logprobs": [-0.2, -0.3], "tokens": ["y", "z"]}}]}  # fmt: skip
     traces = extract_traces(comp, "s", chat=False)
-    assert [(t.choice_index, t.completion_ids, t.logprobs) for t in traces] == [
+    assert [(t.choice_index, t.response_ids, t.logprobs) for t in traces] == [
         (0, [5], [-0.1]), (1, [6, 7], [-0.2, -0.3])]  # fmt: skip
     bad = _chat_response()
     del bad["prompt_token_ids"]

@@ -195,7 +195,7 @@ def test_pool_rejects_bad_arguments() -> None:
 
 def _echo_server():
     """A server of this process that reports which client port reached it (ASGI's is fixed at 123)."""
-    from agentrl.rollout.http_server import start_server_in_thread
+    from agentrl.rollout.uvicorn_thread import start_server_in_thread
 
     app = FastAPI()
 

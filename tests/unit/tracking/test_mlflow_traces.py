@@ -10,10 +10,10 @@ import mlflow
 import pytest
 from mlflow.entities import SpanType
 
-from agentrl.engine.rollout_log import episode_record
+from agentrl.runs.rollout_writer import episode_record
 from agentrl.tracking import build_tracker
 from agentrl.tracking.mlflow_traces import use_tracking_uri
-from tests.unit.engine.test_rollout_log import _tool_episode
+from tests.unit.training.test_rollout_log import _tool_episode
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,489 @@
+"""The controller: builds workers and the rollout stack, then runs the training loop, top to bottom.
+
+    tasks    = next batch                      episodes = collect + evaluate (rollout/, evaluator.py)
+    episodes = compact filter, reject          batch    = assemble (exact rollout tokens)
+    batch   += old / ref log-probs, values     batch   += advantages
+    critic.update, actor.update, sync weights  log, maybe validate, maybe checkpoint
+
+Setup (workers, servers, tracker, resume) happens before step one; `close` stops everything it started.
+The loop never names a device or a rank: workers live behind `WorkerGroup`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrl.algorithms.filters import build_masked_reasons, compact_filter_keep, rejection_sample_keep
+from agentrl.algorithms.kl import apply_kl_penalty_to_rewards
+from agentrl.checkpoint import (
+    find_latest_checkpoint,
+    load_trainer_state,
+    resolve_resume_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from agentrl.data import RLDataLoader
+from agentrl.data.images import load_image_processor
+from agentrl.evaluator import Evaluator, score_episode
+from agentrl.flow import AgentFlow
+from agentrl.rollout.collector import CollectorLimits, RolloutCollector
+from agentrl.rollout.stack import build_rollout_stack
+from agentrl.runs.rollout_writer import ROLLOUTS_DIR, RolloutLog, config_hash
+from agentrl.tracking import build_tracker, progress_bar, set_progress_postfix
+from agentrl.training.metrics import (
+    compute_batch_metrics,
+    compute_episode_metrics,
+    compute_validation_metrics,
+    group_ids_of,
+)
+from agentrl.training.update.assembly import (
+    TrainBatch,
+    episodes_to_rows,
+    rows_to_batch,
+    write_step_advantages,
+)
+from agentrl.training.update.batch_advantages import compute_batch_advantages
+from agentrl.training.workers.critic_worker import CriticWorker
+from agentrl.training.workers.policy_worker import PolicyWorker
+from agentrl.training.workers.worker_group import LocalWorkerGroup, WorkerGroup
+from agentrl.types import Episode, Task, TerminationReason
+
+log = logging.getLogger(__name__)
+
+
+def _engine_timing(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict[str, float]:
+    """Where the generation phase went inside the embedded engines (the slowest worker's):
+    `timing/engine_prefill`, `timing/engine_decode` (forwards and sampling) and `timing/engine_host` (the
+    scheduler's per-row Python work) in seconds, and inside those `timing/engine_cache_alloc` and
+    `timing/engine_graph_capture` (the KV cache and CUDA graphs rebuilt after each sleep); `perf/engine_prefills`, `perf/engine_decode_steps_device`
+    and `perf/engine_decode_steps_host` as counts. The rest of `timing/gen` is the agents, the gateway and
+    waiting."""
+    timing: dict[str, float] = {}
+    for start, end in zip(before, after, strict=True):
+        for key, value in end.items():
+            name = f"timing/engine_{key.removesuffix('_s')}" if key.endswith("_s") else f"perf/engine_{key}"
+            timing[name] = max(timing.get(name, 0.0), value - start.get(key, 0.0))
+    return timing
+
+
+@contextmanager
+def _timer(timing: dict[str, float], name: str):
+    start = time.perf_counter()
+    yield
+    timing[f"timing/{name}"] = time.perf_counter() - start
+
+
+def rows_to_tasks(rows: Sequence[dict], prefix: str) -> list[Task]:
+    """Tasks with stable ids (`extra_info.index` when present, else the row position), unique in the call.
+
+    Ids key the GRPO groups and the task an episode is scored against, so a repeated index (datasets
+    concatenated, each indexed from 0) gets the row position appended rather than merging two prompts.
+    """
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    for i, row in enumerate(rows):
+        index = (row.get("extra_info") or {}).get("index", i)
+        task_id = f"{prefix}-{index}"
+        if task_id in seen:
+            task_id = f"{prefix}-{index}-row{i}"
+        seen.add(task_id)
+        tasks.append(Task(id=task_id, data=row))
+    return tasks
+
+
+def build_worker_groups(
+    cfg: Any, total_steps: int, device: str
+) -> tuple[WorkerGroup, WorkerGroup | None, Any]:
+    """Policy and (for GAE) critic worker groups on `trainer.backend`, and the Ray cluster that holds them."""
+    gae = cfg.algorithm.adv_estimator == "gae"
+    kwargs = {"config": cfg, "total_steps": total_steps}
+    if cfg.trainer.backend == "local":
+        critic = LocalWorkerGroup(CriticWorker(**kwargs, device=device)) if gae else None
+        return LocalWorkerGroup(PolicyWorker(**kwargs, device=device)), critic, None
+    from agentrl.training.workers.ray_cluster import RayCluster
+
+    cluster = RayCluster(cfg, device)
+    try:
+        pools = cfg.resource_pool_config
+        policy_devices = pools.actor_rollout_gpus or cluster.world
+        critic_devices = pools.critic_gpus or policy_devices
+        share = 0.5 if gae else 1.0
+        policy = cluster.worker_group(
+            PolicyWorker, devices=policy_devices, share=share, name="policy", **kwargs
+        )
+        policy.call("tokenizer_pad_id")  # wait until every rank is built; errors surface here
+        critic = None
+        if gae:
+            critic = cluster.worker_group(
+                CriticWorker, devices=critic_devices, share=share, name="critic", **kwargs
+            )
+            critic.call("ready")
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return policy, critic, cluster
+
+
+def _drop(episodes: list[Episode], keep: Sequence[bool], reason: str) -> list[Episode]:
+    """The episodes whose `keep` flag is set; the others get `filter_reason = reason`."""
+    for episode, k in zip(episodes, keep, strict=True):
+        if not k:
+            episode.filter_reason = reason
+    return [e for e, k in zip(episodes, keep, strict=True) if k]
+
+
+class Controller:
+    """Runs RL training of `flow` scored by `evaluator` on the configured workers and engines."""
+
+    def __init__(
+        self,
+        config: Any,
+        flow: AgentFlow,
+        evaluator: Evaluator,
+        train_rows: Sequence[dict],
+        val_rows: Sequence[dict] | None,
+    ) -> None:
+        self.config = config
+        self.flow = flow
+        self.evaluator = evaluator
+        self.run_dir = Path(config.trainer.default_local_dir)
+        self.loader = RLDataLoader(
+            list(train_rows),
+            batch_size=config.data.train_batch_size,
+            shuffle=config.data.shuffle,
+            seed=config.data.seed,
+        )
+        self.val_tasks = rows_to_tasks(val_rows or [], "val")
+        total = config.trainer.total_training_steps or config.trainer.total_epochs * len(self.loader)
+        self.total_steps = int(total)
+        self.global_step = 0
+        self.initial_val_metrics: dict[str, float] = {}
+        self.policy = None
+        self.critic = None
+        self.cluster = None
+        self.stack = None
+        self.tracker = None
+        self.rollout_log = None
+
+    # ---- setup ------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        device = (
+            cfg.trainer.device
+            if cfg.trainer.device != "auto"
+            else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        torch.manual_seed(cfg.trainer.seed)
+        self.policy, self.critic, self.cluster = build_worker_groups(cfg, self.total_steps, device)
+        resume_from = resolve_resume_checkpoint(
+            cfg.trainer.resume_mode, self.run_dir / "checkpoints", cfg.trainer.resume_from_path
+        )
+        if resume_from is not None:
+            self._load_checkpoint(resume_from)
+        elif cfg.sft.enable:
+            sft_metrics = self.policy.call_first("warm_start", cfg.sft, list(self.loader.rows))
+            log.info("warm start: %s", sft_metrics)
+        urls = [url for worker_urls in self.policy.call("start_rollout") for url in worker_urls]
+        self.stack = build_rollout_stack(urls, cfg, self.policy.call_first("tokenizer_pad_id"))
+        arr = cfg.actor_rollout_ref
+        self.collector = RolloutCollector(
+            self.stack.backend,
+            self.stack.model_name,
+            CollectorLimits(
+                max_steps=cfg.agent.max_steps,
+                n_parallel_tasks=cfg.agent.n_parallel_tasks or arr.rollout.max_num_seqs * len(urls),
+                retry_limit=cfg.agent.retry_limit,
+                timeout=cfg.agent.timeout,
+                max_prompt_length=cfg.data.max_prompt_length,
+            ),
+        )
+        self.n = arr.rollout.n
+        # A fresh start (no checkpoint, or resume disabled) must not append to an earlier run's history.
+        self.tracker = build_tracker(
+            cfg.trainer.logger,
+            run_dir=self.run_dir,
+            project_name=cfg.trainer.project_name,
+            experiment_name=cfg.trainer.experiment_name,
+            config=cfg.model_dump(),
+            resume=resume_from is not None,
+        )
+        self.rollout_log = RolloutLog(
+            Path(cfg.trainer.rollout_data_dir or self.run_dir / ROLLOUTS_DIR),
+            fraction=cfg.trainer.rollout_data_fraction,
+            config_digest=config_hash(cfg),
+            on_records=self.tracker.log_rollouts,
+            trace_freq=cfg.trainer.rollout_trace_freq,
+            last_step=self.total_steps,
+        )
+        if resume_from is not None:
+            # Last, so nothing built above draws from the restored generators before step one.
+            self.collector.load_state_dict(load_trainer_state(resume_from).get("collector", {"rounds": 0}))
+            restore_rng_state(resume_from)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def train(self) -> dict[str, float]:
+        """Train until `total_steps`; returns the last step's metrics (with the final validation)."""
+        cfg = self.config.trainer
+        metrics: dict[str, float] = {}
+        if cfg.val_before_train and self.global_step == 0 and self.val_tasks:
+            self.initial_val_metrics = self.validate()
+            self.tracker.log(self.initial_val_metrics, step=0)
+        bar = progress_bar("train", self.total_steps)
+        bar.update(self.global_step)
+        for step in range(self.global_step + 1, self.total_steps + 1):
+            timing: dict[str, float] = {}
+            with _timer(timing, "step"):
+                busy_before = self.policy.call("engine_counters")
+                with _timer(timing, "gen"):
+                    episodes, kept = self.collect_training_episodes()
+                timing.update(_engine_timing(busy_before, self.policy.call("engine_counters")))
+                metrics = {
+                    "training/global_step": step,
+                    "training/epoch": self.loader.epoch,
+                    **compute_episode_metrics(episodes),
+                }
+                batch = self.assemble(kept, metrics)
+                if batch is not None:
+                    metrics.update(self.update(batch, timing))
+                    write_step_advantages(kept, batch)
+                with _timer(timing, "save_rollouts"):
+                    self.rollout_log.write(step, episodes)
+            self.global_step = step
+            tokens = metrics.get("response_length/mean", 0.0) * metrics.get("batch/rows", 0.0)
+            metrics.update(timing, **{"perf/throughput": tokens / max(timing["timing/step"], 1e-9)})
+            if (
+                cfg.test_freq > 0
+                and (step % cfg.test_freq == 0 or step == self.total_steps)
+                and self.val_tasks
+            ):
+                metrics.update(self.validate())
+            self.tracker.log(metrics, step=step)
+            bar.update(1)
+            set_progress_postfix(
+                bar,
+                step=step,
+                reward=metrics.get("critic/full-score/mean"),
+                throughput=metrics.get("perf/throughput"),
+            )
+            if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or step == self.total_steps:
+                self.save_checkpoint()
+        bar.close()
+        return metrics
+
+    def update(self, batch: TrainBatch, timing: dict[str, float]) -> dict[str, float]:
+        """Log-probs, values, advantages, critic and actor updates, weight sync; returns their metrics."""
+        cfg = self.config
+        metrics: dict[str, float] = {}
+        self.policy.call("sleep_rollout")
+        balance = cfg.actor_rollout_ref.actor.use_dynamic_bsz
+        if self.needs_old_log_probs():
+            with _timer(timing, "old_log_prob"):
+                batch.tensors.update(self.policy.dispatch("compute_log_prob", batch, balance_tokens=balance))
+        if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+            with _timer(timing, "ref"):
+                batch["ref_log_probs"] = self.policy.dispatch(
+                    "compute_ref_log_prob", batch, balance_tokens=balance
+                )
+        if cfg.algorithm.use_kl_in_reward:
+            shaped = apply_kl_penalty_to_rewards(
+                batch.token_rewards,
+                batch["old_log_probs"],
+                batch["ref_log_probs"],
+                batch.response_mask,
+                kl_coef=cfg.algorithm.kl_ctrl.kl_coef,
+                kl_type=cfg.algorithm.kl_penalty,
+            )
+            batch.token_rewards = shaped.token_rewards
+            metrics["actor/reward_kl_penalty"] = float(shaped.kl_mean)
+        if self.critic is not None:
+            with _timer(timing, "values"):
+                batch["values"] = self.critic.dispatch("compute_values", batch, balance_tokens=balance)
+        with _timer(timing, "adv"):
+            stepwise = cfg.agent.stepwise_advantage
+            result = compute_batch_advantages(
+                batch,
+                estimator=cfg.algorithm.adv_estimator,
+                gamma=cfg.algorithm.gamma,
+                lam=cfg.algorithm.lam,
+                norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+                stepwise_mode=stepwise.mode if stepwise.enable else None,
+                normalize_by_steps=stepwise.normalize_by_steps,
+            )
+            batch["advantages"], batch["returns"] = result.advantages, result.returns
+        if self.critic is not None:
+            with _timer(timing, "update_critic"):
+                metrics.update(self.critic.dispatch("update_critic", batch, balance_tokens=balance))
+        with _timer(timing, "update_actor"):
+            metrics.update(self.policy.dispatch("update_actor", batch, balance_tokens=balance))
+        self.policy.call("wake_rollout")
+        with _timer(timing, "sync_weights"):
+            metrics.update(self.policy.call_first("sync_weights"))
+        metrics.update(compute_batch_metrics(batch))
+        return metrics
+
+    def needs_old_log_probs(self) -> bool:
+        """False when the update is on-policy (one epoch, one mini-batch, no KL in the reward): the actor's
+        log-probs before its only optimizer step are then the old ones, and the update measures them itself."""
+        cfg = self.config
+        actor = cfg.actor_rollout_ref.actor
+        one_mini = actor.ppo_mini_batch_size >= cfg.data.train_batch_size
+        return not (actor.ppo_epochs == 1 and one_mini and not cfg.algorithm.use_kl_in_reward)
+
+    # ---- rollouts ---------------------------------------------------------------------------------
+    def next_tasks(self, prefix: str = "train") -> list[Task]:
+        return rows_to_tasks(next(self.loader), prefix)
+
+    def run_episodes(self, tasks: list[Task], n: int, mode: str, desc: str) -> list[Episode]:
+        """Collect `n` rollouts per task and score them; failed rollouts are kept, unscored."""
+        bar = progress_bar(desc, len(tasks) * n)
+        episodes = asyncio.run(
+            self.collector.collect(self.flow, tasks, n, mode=mode, on_episode=lambda _e: bar.update(1))
+        )
+        bar.close()
+        by_id = {t.id: t for t in tasks}
+        for episode in episodes:
+            if episode.termination_reason != TerminationReason.ERROR:
+                score_episode(self.evaluator, by_id[episode.task_id], episode)
+            elif episode.error:
+                log.warning("rollout %s failed: %s", episode.id, episode.error.strip().splitlines()[-1])
+        return episodes
+
+    def collect_training_episodes(self) -> tuple[list[Episode], list[Episode]]:
+        """All episodes of this step, and those kept for training.
+
+        With rejection sampling, rounds of new tasks are drawn until data.train_batch_size tasks survive the
+        filters (partially solved ones under mode=solve_partial) or agent.rejection_sample.multiplier rounds ran.
+        Episodes left out get their `filter_reason` (the tasks beyond the batch of a refill round: batch_full).
+        """
+        reject = self.config.agent.rejection_sample
+        rounds = reject.multiplier if reject.enable else 1
+        all_episodes: list[Episode] = []
+        kept: list[Episode] = []
+        for round_index in range(max(1, rounds)):
+            # Each refill round gets its own id prefix: position-based ids must not merge different prompts.
+            prefix = "train" if round_index == 0 else f"train.r{round_index}"
+            episodes = self.run_episodes(self.next_tasks(prefix), self.n, "train", "rollout")
+            all_episodes += episodes
+            kept += self.filter_episodes(episodes)
+            if len({e.task_id for e in kept}) >= self.config.data.train_batch_size:
+                break
+        task_ids = set(list(dict.fromkeys(e.task_id for e in kept))[: self.config.data.train_batch_size])
+        for episode in kept:
+            if episode.task_id not in task_ids:
+                episode.filter_reason = "batch_full"
+        return all_episodes, [e for e in kept if e.task_id in task_ids]
+
+    def filter_episodes(self, episodes: list[Episode]) -> list[Episode]:
+        """Drop failed rollouts and bad scores, then compact filtering, then rejection sampling.
+
+        Each dropped episode gets its `filter_reason`, which the saved rollouts show.
+        """
+        for episode in episodes:
+            if episode.termination_reason == TerminationReason.ERROR:
+                episode.filter_reason = "error"
+            elif episode.metrics.get("evaluator_error"):
+                episode.filter_reason = "evaluator_error"
+        episodes = [e for e in episodes if e.filter_reason is None]
+        compact = self.config.agent.compact_filtering
+        if compact.enable and episodes:
+            masked = build_masked_reasons(**compact.model_dump(exclude={"enable"}))
+            keep = compact_filter_keep([e.termination_reason for e in episodes], masked)
+            episodes = _drop(episodes, keep, "compact_filtering")
+        reject = self.config.agent.rejection_sample
+        if reject.enable and episodes:
+            keep = rejection_sample_keep(
+                reject.mode,
+                rewards=torch.tensor([e.reward for e in episodes]),
+                is_correct=torch.tensor([e.is_correct for e in episodes]),
+                group_ids=group_ids_of(episodes),
+            )
+            episodes = _drop(episodes, keep.tolist(), "rejection_sampling")
+        return episodes
+
+    def assemble(self, episodes: list[Episode], metrics: dict[str, float]) -> TrainBatch | None:
+        stepwise = self.config.agent.stepwise_advantage
+        merge = not (stepwise.enable and stepwise.mode == "per_step")
+        max_length = self.config.data.max_prompt_length + self.config.data.max_response_length
+        rows, stats = episodes_to_rows(
+            episodes, merge_steps=merge, max_length=max_length * self.config.agent.max_steps
+        )
+        metrics.update(
+            {
+                "batch/kept_episodes": float(len(episodes)),
+                "batch/merged_steps": float(stats.merged_steps),
+                "batch/excluded_steps": float(stats.excluded_steps),
+            }
+        )
+        if not rows:
+            log.warning(
+                "step %d: no trainable rows (all filtered or failed); skipping the update",
+                self.global_step + 1,
+            )
+            return None
+        vision = self.config.data.return_multi_modal_inputs
+        processor = load_image_processor(self.config.actor_rollout_ref.model.path) if vision else None
+        return rows_to_batch(rows, pad_token_id=self.stack.pad_token_id, image_processor=processor)
+
+    def validate(self) -> dict[str, float]:
+        val = self.config.actor_rollout_ref.rollout.val_kwargs
+        size = self.config.data.val_batch_size or len(self.val_tasks)
+        episodes = []
+        for start in range(0, len(self.val_tasks), size):
+            episodes += self.run_episodes(self.val_tasks[start : start + size], val.n, "val", "validate")
+        if self.rollout_log is not None:
+            self.rollout_log.write(self.global_step, episodes, split="val")
+        return compute_validation_metrics(episodes)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        def write(folder: Path) -> None:
+            self.policy.call("save", folder)
+            if self.critic is not None:
+                self.critic.call("save", folder)
+
+        return save_checkpoint(
+            self.run_dir / "checkpoints",
+            self.global_step,
+            write,
+            {
+                "global_step": self.global_step,
+                "dataloader": self.loader.state_dict(),
+                "collector": self.collector.state_dict(),
+            },
+            max_to_keep=self.config.trainer.max_actor_ckpt_to_keep,
+        )
+
+    def _load_checkpoint(self, folder: Path) -> None:
+        state = load_trainer_state(folder)
+        self.policy.call("load", folder)
+        if self.critic is not None:
+            self.critic.call("load", folder)
+        self.loader.load_state_dict(state["dataloader"])
+        self.global_step = int(state["global_step"])
+        log.info("resumed from %s at step %d", folder, self.global_step)
+
+    def latest_checkpoint(self) -> Path | None:
+        return find_latest_checkpoint(self.run_dir / "checkpoints")
+
+    def export(self, folder: Path) -> None:
+        self.policy.call_first("export", folder)
+
+    def close(self, status: str = "FINISHED") -> None:
+        """Stop servers and workers and end the tracked run as `status` (FINISHED, FAILED, KILLED);
+        safe to call more than once."""
+        for part in (self.stack, self.policy, self.critic, self.cluster):
+            if part is not None:
+                part.shutdown()
+        self.stack = self.policy = self.critic = self.cluster = None
+        if self.tracker is not None:
+            self.tracker.finish(status=status)
+            self.tracker = None

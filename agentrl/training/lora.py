@@ -1,0 +1,49 @@
+"""LoRA through peft: wrap the actor, and produce the weights the rollout engine serves.
+
+Only adapter parameters are trained when `actor_rollout_ref.model.lora_rank > 0`. The reference policy is the
+same model with its adapter disabled, so LoRA needs no second copy of the base weights. The weights the
+engine serves (adapters merged) come from `agentrl.training.parallel.served_weights`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+# `all-linear` on a vision-language model: the language model's linear layers only (not the vision tower).
+_LANGUAGE_MODEL_LINEAR = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def apply_lora(model: torch.nn.Module, *, rank: int, alpha: int, target_modules: str | list[str]):
+    """A peft model with fresh adapters of `rank` on `target_modules` ('all-linear' or module names).
+
+    For a vision-language model `all-linear` means the language model's linear layers: the vision tower
+    keeps its weights (and is frozen, as every non-adapter weight is under LoRA).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if target_modules == "all-linear" and getattr(model.config, "vision_config", None) is not None:
+        target_modules = _LANGUAGE_MODEL_LINEAR
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=target_modules,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def is_lora_model(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+@contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """Run the base model (the reference policy) inside; a no-op for non-LoRA models."""
+    with model.disable_adapter() if is_lora_model(model) else nullcontext():
+        yield

@@ -1,0 +1,1 @@
+"""Spreading a model over devices: process groups, FSDP2, full/sharded model state, weight sync to engines."""

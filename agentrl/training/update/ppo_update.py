@@ -1,0 +1,132 @@
+"""The optimisation loop the actor and the critic share: PPO epochs over mini-batches of micro-batches.
+
+One optimizer step per mini-batch, gradient clipping, a skipped step on a non-finite gradient norm, one
+LR-schedule step per call. Each worker supplies only its loss.
+
+The loss is normalised over the global mini-batch, as verl does: each micro-batch's loss (a mean over its own
+tokens, or rows for the seq-mean modes) is weighted by its share of the mini-batch's tokens (or rows) on all
+ranks. A token in a short micro-batch then weighs exactly what a token in a long one weighs, and 1 rank and N
+ranks compute the same loss on the same batch. FSDP averages gradients over ranks, so each rank's share is
+multiplied by the world size. Logged stats are weighted the same way and summed over ranks: `actor/pg_loss`
+is the loss of the whole mini-batch, whatever the split. Stats whose name ends in `_max` are maxima instead:
+the largest over micro-batches, steps and ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from agentrl.training.parallel.distributed import (
+    all_reduce_max_dict,
+    all_reduce_max_int,
+    all_reduce_sum,
+    all_reduce_sum_dict,
+    world_size,
+)
+from agentrl.training.update.assembly import TrainBatch
+from agentrl.training.update.packing import split_micro_batches, split_mini_batches
+
+log = logging.getLogger(__name__)
+
+MicroLoss = Callable[[TrainBatch], tuple[torch.Tensor, dict[str, float]]]
+
+
+def loss_units(response_mask: torch.Tensor, loss_agg_mode: str) -> float:
+    """What the loss averages over: response tokens (token-mean) or rows with a response token (seq-mean-*)."""
+    if loss_agg_mode == "token-mean":
+        return float(response_mask.sum())
+    return float(response_mask.any(dim=-1).sum())
+
+
+def _zero_weight_micro(batch: TrainBatch, rows: torch.Tensor) -> TrainBatch:
+    """A one-row micro-batch that trains nothing: keeps ranks in step when one has fewer micro-batches."""
+    micro = batch.select(rows[:1])
+    micro.response_mask = torch.zeros_like(micro.response_mask)
+    return micro
+
+
+def run_ppo_updates(
+    batch: TrainBatch,
+    micro_loss: MicroLoss,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    generator: torch.Generator,
+    section: Any,
+    train_batch_size: int,
+    shuffle: bool,
+    remove_padding: bool,
+    prefix: str,
+    on_optimizer_step: Callable[[], Any] | None = None,
+) -> dict[str, float]:
+    """Update `model` on this rank's share of the batch; `section` is the actor or critic config.
+
+    Returns the stats of `micro_loss` weighted over the global mini-batch and averaged over optimizer steps,
+    `{prefix}/grad_norm` averaged over optimizer steps, `{prefix}/lr`, and `{prefix}/skipped_steps` when a
+    non-finite gradient skipped a step. Every rank returns the same numbers.
+    """
+    model.train()
+    ranks = world_size()
+    stats_sum: dict[str, float] = {}
+    stats_max: dict[str, float] = {}
+    grad_norm_sum = 0.0
+    steps = skipped = 0
+    num_minis = max(1, train_batch_size // section.ppo_mini_batch_size)
+    mode = getattr(section, "loss_agg_mode", "token-mean")
+    for _ in range(section.ppo_epochs):
+        for rows in split_mini_batches(len(batch), num_minis, generator, shuffle):
+            optimizer.zero_grad(set_to_none=True)
+            micros = split_micro_batches(
+                batch,
+                rows,
+                micro_batch_size=section.ppo_micro_batch_size_per_gpu,
+                use_dynamic_bsz=section.use_dynamic_bsz,
+                max_token_len=section.ppo_max_token_len_per_gpu,
+                remove_padding=remove_padding,
+            )
+            count = all_reduce_max_int(len(micros))
+            micros += [_zero_weight_micro(batch, rows) for _ in range(count - len(micros))]
+            total_units = all_reduce_sum(sum(loss_units(m.response_mask, mode) for m in micros))
+            for micro in micros:
+                weight = loss_units(micro.response_mask, mode) / max(total_units, 1.0)
+                loss, stats = micro_loss(micro)
+                (loss * weight * ranks).backward()
+                for key, value in stats.items():
+                    if key.endswith("_max"):
+                        stats_max[key] = max(stats_max.get(key, value), value)
+                    else:
+                        stats_sum[key] = stats_sum.get(key, 0.0) + value * weight
+            grad_norm = _clip_grad_norm(model, section.grad_clip)
+            steps += 1
+            if torch.isfinite(grad_norm):
+                if on_optimizer_step is not None:
+                    on_optimizer_step()
+                optimizer.step()
+                grad_norm_sum += float(grad_norm)
+            else:
+                skipped += 1
+                log.warning("%s: non-finite grad norm %s; optimizer step skipped", prefix, grad_norm.item())
+    # Gradients are not needed until the next update: free them for the rollout.
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    metrics = {key: value / max(steps, 1) for key, value in all_reduce_sum_dict(stats_sum).items()}
+    metrics.update(all_reduce_max_dict(stats_max))
+    metrics[f"{prefix}/grad_norm"] = grad_norm_sum / max(steps - skipped, 1)
+    metrics[f"{prefix}/lr"] = scheduler.get_last_lr()[0]
+    if skipped:
+        metrics[f"{prefix}/skipped_steps"] = float(skipped)  # a count of optimizer steps, not averaged
+    return metrics
+
+
+def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip by the global norm; with FSDP2 the norm is a DTensor over every shard, made a plain tensor."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm.detach().float().cpu()
