@@ -39,7 +39,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256, help="cap on completion tokens per call")
     p.add_argument("--temperature", type=float, default=1.0, help="enforced sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--dtype", default=None, help="float32 for embedded, bfloat16 for vLLM by default")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 for embedded by default; auto for vLLM (bfloat16, float32 where bfloat16 crashes on CPU)",
+    )
     p.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     p.add_argument("--log-dir", default="outputs/serve_logs", help="vLLM server logs")
     p.add_argument("--startup-timeout", type=float, default=300.0)
@@ -74,7 +78,7 @@ def _start_vllm(
 
     servers = launch_vllm_servers(
         model, args.servers, python=args.vllm_python, served_model_name=name,
-        max_model_len=args.max_model_len, dtype=args.dtype or "bfloat16",
+        max_model_len=args.max_model_len, dtype=args.dtype or "auto",
         startup_timeout=args.startup_timeout, log_dir=args.log_dir,
     )  # fmt: skip
     cleanup.append(servers.stop)

@@ -167,6 +167,8 @@ class AgentConfig(_Section):
     """Attempts per episode when the flow raises (1 = no retry)."""
     timeout: float = Field(120.0, gt=0.0)
     """Seconds an episode may run before it ends as timeout."""
+    cumulative_token_mode: bool = True
+    """A chat turn that re-sends its session's history (the same messages, the reply it was given, then new messages) continues from the sampled token ids instead of re-rendering the text, so it merges into the episode's training row (rLLM's name; docs/rollout.md)."""
     stepwise_advantage: StepwiseAdvantageConfig = Field(default_factory=StepwiseAdvantageConfig)
     """Step-wise advantages for multi-step agents."""
     rejection_sample: RejectionSampleConfig = Field(default_factory=RejectionSampleConfig)

@@ -151,8 +151,8 @@ class VLLMConfig(_Section):
     """Extra command-line arguments for `vllm serve`."""
     startup_timeout: float = Field(300.0, gt=0.0)
     """Seconds to wait for a vLLM server to become healthy."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"
-    """Dtype vLLM serves the policy in."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype vLLM serves the policy in; auto: bfloat16 (float32 on a CPU where bfloat16 crashes)."""
 
 
 class RolloutConfig(_Section):
@@ -184,6 +184,10 @@ class RolloutConfig(_Section):
     """torch.compile the embedded engine's decode step before capturing its CUDA graphs (fuses its small kernels; compiles once, when the engine is built; falls back to the plain step if compilation fails)."""
     draw_on_device: bool = True
     """Embedded engine, slot path: draw plain rows' tokens on the device and launch each decode step before the previous step's tokens reach the host (false: read every step's tokens first)."""
+    enable_prefix_caching: bool = True
+    """Embedded engine, slot path: reuse the keys and values of prompt prefixes already computed (an agent's earlier turns, a GRPO group's shared prompt); vLLM's name."""
+    max_num_batched_tokens: int = Field(8192, ge=16)
+    """Embedded engine, slot path: most prompt tokens one prefill forward computes (a longer prompt is prefilled in chunks); vLLM's name."""
     free_cache_engine: bool = True
     """Free the engine's KV cache while training (hybrid engine sleep/wake)."""
     log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)

@@ -136,8 +136,18 @@ class SamplingFields(_Lenient):
         )
 
 
+class ContinuationIn(BaseModel):
+    """agentrl's extension (`continuation.CONTINUATION_FIELD`): the token ids the first `history` messages hold."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefix_ids: list[int] = Field(min_length=1)
+    history: int = Field(ge=1)
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
+    agentrl_continuation: ContinuationIn | None = None
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

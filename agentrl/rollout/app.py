@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server for the embedded engine (FastAPI), token-in/token-out.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, and admin
-routes POST /update_weights, /v1/load_lora_adapter, /sleep, /wake_up, GET /is_sleeping, /metrics.
+routes POST /update_weights, /v1/load_lora_adapter, /sleep, /wake_up, GET /is_sleeping; GET /metrics (Prometheus
+text under vLLM's names, `prometheus.py`) and GET /stats (the engine's counters as JSON).
 Responses carry `policy_version` (the weights version when the request started) and, with
 `return_token_ids: true`, the exact prompt and completion token ids in vLLM 0.32's fields.
 `tool_choice` naming a function or `"required"`, and `response_format` `json_schema` / `json_object`,
@@ -21,7 +22,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from agentrl.rollout._openai_protocol import (
@@ -41,6 +42,7 @@ from agentrl.rollout._openai_protocol import (
 from agentrl.rollout._sse import stream_chat, stream_completions
 from agentrl.rollout.admin_auth import AdminAuthError, build_admin_guard
 from agentrl.rollout.chat import ChatRenderCache, parse_tool_calls
+from agentrl.rollout.continuation import CONTINUED_FIELD, continue_prompt
 from agentrl.rollout.engines._weights import read_state_dict
 from agentrl.rollout.engines.constraints import Constraint, ConstraintError, build_constraint
 from agentrl.rollout.engines.vision import (
@@ -49,6 +51,7 @@ from agentrl.rollout.engines.vision import (
     build_image_prompt,
     collect_image_refs,
 )
+from agentrl.rollout.prometheus import render_prometheus
 from agentrl.types import SamplingParams
 
 __all__ = ["build_server_app", "RequestError"]
@@ -143,17 +146,27 @@ def _chat_constraint(req: ChatCompletionRequest, tools: list[dict[str, Any]] | N
 
 def _render_chat_request(
     server: _Server, req: ChatCompletionRequest
-) -> tuple[list[int], bool, ImageInputs | None]:
-    """Prompt ids (image pads expanded), whether tool calls should be parsed, and the prompt's pixels."""
+) -> tuple[list[int], bool, ImageInputs | None, bool | str | None]:
+    """Prompt ids (image pads expanded), whether tool calls should be parsed, the prompt's pixels, and whether
+    the prompt continues the ids the request carried (`continuation.py`: True, the reason not, or None when it
+    carried none)."""
     _refuse_media(server, req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     messages = [m.model_dump(exclude_none=True) | {"content": m.content} for m in req.messages]
+    refs = collect_image_refs(messages)
+    prompt_ids, continued = None, None
     try:
-        prompt_ids = server.chat_prompts.render(messages, tools=tools)
+        if req.agentrl_continuation is not None and not refs:
+            asked = req.agentrl_continuation
+            prompt_ids, why = continue_prompt(
+                server.tokenizer, asked.prefix_ids, messages, asked.history, tools
+            )
+            continued = True if prompt_ids is not None else why
+        if prompt_ids is None:
+            prompt_ids = server.chat_prompts.render(messages, tools=tools)
     except ValueError as error:
         raise RequestError(str(error), "messages") from error
     images = None
-    refs = collect_image_refs(messages)
     if refs:
         image_token = int(server.engine.model.config.image_token_id)
         try:
@@ -164,12 +177,12 @@ def _render_chat_request(
             field = next((f for f, _ in refs if str(error).startswith(f)), "messages")
             raise RequestError(str(error), field) from error
     server.check_prompt(prompt_ids, "messages")
-    return prompt_ids, bool(tools) and req.tool_choice != "none", images
+    return prompt_ids, bool(tools) and req.tool_choice != "none", images, continued
 
 
 async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
     server.check_request(req)
-    prompt_ids, parse_tools, images = _render_chat_request(server, req)
+    prompt_ids, parse_tools, images, continued = _render_chat_request(server, req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     extra = {"constraint": constraint} if (constraint := _chat_constraint(req, tools)) else {}
     params = req.to_sampling_params(server.max_tokens(req.requested_max_tokens(), len(prompt_ids)))
@@ -208,6 +221,8 @@ async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
         "usage": build_usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
         "policy_version": version,
     }
+    if continued is not None:
+        response[CONTINUED_FIELD] = continued
     if req.return_token_ids:
         response["prompt_token_ids"] = prompt_ids
         if images is not None:
@@ -450,11 +465,16 @@ def build_server_app(
     async def is_sleeping() -> dict[str, bool]:
         return {"is_sleeping": engine.is_sleeping}
 
-    @app.get("/metrics")
-    async def metrics() -> dict[str, Any]:
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
         stats = dict(engine.stats())
         stats["policy_version"] = engine.policy_version
         stats["weights_fingerprint"] = await asyncio.to_thread(engine.weights_fingerprint)
         return stats
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        text = render_prometheus(engine.stats(), model_name)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -50,7 +50,7 @@ class ParsedToolCalls:
     error: str | None = None
 
 
-def _normalize_message(message: dict[str, Any]) -> dict[str, Any]:
+def normalize_message(message: dict[str, Any]) -> dict[str, Any]:
     """OpenAI request shape -> what chat templates expect.
 
     `developer` is OpenAI's newer name for `system`. Tool-call arguments arrive as JSON strings;
@@ -90,7 +90,7 @@ def render_chat(
 
     Raises ValueError (naming `messages`) when the template rejects the conversation.
     """
-    normalized = [_normalize_message(m) for m in messages]
+    normalized = [normalize_message(m) for m in messages]
     try:
         rendered = tokenizer.apply_chat_template(
             normalized, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=True

@@ -36,6 +36,7 @@ from starlette.requests import ClientDisconnect
 from agentrl.data.images import has_image_parts
 from agentrl.rollout._openai_protocol import ChatMessageIn, SamplingFields
 from agentrl.rollout.admin_auth import AdminAuthError, build_admin_guard, resolve_admin_token
+from agentrl.rollout.continuation import CONTINUATION_FIELD, CONTINUED_FIELD, SessionTurns
 from agentrl.rollout.pool import RolloutPool
 from agentrl.rollout.traces import TraceStore, UnknownSessionError
 from agentrl.types import SamplingParams, Trace, logprob_count_problem
@@ -120,11 +121,13 @@ def build_gateway_app(
     max_n: int = 16,
     allow_implicit_sessions: bool = False,
     admin_token: str | None = None,
+    cumulative_token_mode: bool = True,
 ) -> FastAPI:
     """The gateway's FastAPI app; `sampling_val` defaults to greedy with `sampling_train`'s length cap.
 
     `admin_token`: the bearer token that session control and trace reads require; None leaves them
-    open to loopback clients only.
+    open to loopback clients only. `cumulative_token_mode`: a chat turn that extends its session's previous
+    one continues from the sampled ids (`continuation.py`); off, every turn is rendered from its messages.
     """
     sampling = {
         "train": sampling_train,
@@ -134,6 +137,7 @@ def build_gateway_app(
     app = FastAPI(title="agentrl gateway")
     app.state.pool, app.state.trace_store, app.state.sampling = pool, trace_store, sampling
     app.state.admin_token = admin_token
+    app.state.session_turns = turns = SessionTurns()
     admin = [Depends(build_admin_guard(admin_token))]
 
     def session_mode(sid: str) -> str:
@@ -161,15 +165,13 @@ def build_gateway_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        servers = [
-            {"url": s.url, "healthy": s.healthy, "in_flight": s.in_flight, "policy_version": s.policy_version}
-            for s in pool.servers
-        ]
-        ok = any(s.healthy for s in pool.servers)
+        servers = pool.server_health()  # each with the reason a server is unhealthy (`error`)
+        ok = any(s["healthy"] for s in servers)
         body = {
             "status": "ok" if ok else "unhealthy",
             "policy_version": pool.policy_version,
             "servers": servers,
+            "continuation": {"continued_turns": turns.continued, "fallbacks": dict(turns.fallbacks)},
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -191,6 +193,7 @@ def build_gateway_app(
         trace_store.mode(sid)  # 404 if unknown
         trace_store.close_session(sid)
         pool.forget_session(sid)
+        turns.forget(sid)
         return JSONResponse({"session_id": sid, "closed": True})
 
     @app.get("/sessions/{sid}/traces", dependencies=admin)
@@ -240,7 +243,16 @@ def build_gateway_app(
                 "session_id",
                 code=TURN_LIMIT_CODE,
             )
+        continuation = None
+        if chat and cumulative_token_mode and not has_image_parts(raw.get("messages")):
+            continuation, fallback = turns.plan(sid, raw["messages"], raw.get("tools"))
+            if continuation is not None and any(s.engine == "vllm" for s in pool.servers):
+                continuation, fallback = None, "engine_renders"  # vLLM's chat route takes no prompt ids
+            if fallback:
+                turns.count_fallback(fallback)
         upstream = build_upstream_body(raw, req, sampling[mode], pool.served_model, chat=chat)
+        if continuation is not None:
+            upstream[CONTINUATION_FIELD] = continuation
         if req.seed is None and sampling[mode].seed is not None:
             upstream["seed"] = derive_call_seed(sampling[mode].seed, sid, trace_store.call_count(sid))
         started = time.perf_counter()
@@ -258,6 +270,19 @@ def build_gateway_app(
         for t in traces:
             trace_store.add(t.model_copy(update={"policy_version": version, "latency_s": latency,
                                                  "server": resp.server}))  # fmt: skip
+        if chat and cumulative_token_mode:
+            if continuation is not None:
+                continued = resp.body.get(CONTINUED_FIELD)
+                if continued is True:
+                    turns.count_continued()
+                else:
+                    turns.count_fallback(str(continued or "server"))
+            replies = [
+                {"prompt_ids": t.prompt_ids, "response_ids": t.response_ids, "content": t.completion_text,
+                 "tool_calls": t.tool_calls}
+                for t in traces
+            ]  # fmt: skip
+            turns.remember(sid, raw["messages"], raw.get("tools"), replies)
         body = strip_response(resp.body, req, chat=chat)
         if req.model:
             body["model"] = req.model
@@ -350,6 +375,7 @@ def extract_traces(body: dict[str, Any], session_id: str, *, chat: bool, message
 def strip_response(body: dict[str, Any], req: Any, *, chat: bool) -> dict[str, Any]:
     """Remove the token ids and logprobs the client did not ask for."""
     body = dict(body)
+    body.pop(CONTINUED_FIELD, None)
     choices = [dict(c) for c in body.get("choices") or []]
     if not req.return_token_ids:
         for f in _TOKEN_FIELDS:
@@ -429,6 +455,7 @@ class Gateway:
         host: str = "127.0.0.1",
         port: int = 0,
         admin_token: str | None = None,
+        cumulative_token_mode: bool = True,
     ) -> None:
         """`admin_token` guards session control and traces; bound off loopback without one (and without
         `$AGENTRL_ADMIN_TOKEN`), a random token is made: read it from `.admin_token`."""
@@ -438,6 +465,7 @@ class Gateway:
         self.app = build_gateway_app(
             pool, self.trace_store, sampling_train=sampling_train, sampling_val=sampling_val,
             max_n=max_n, allow_implicit_sessions=allow_implicit_sessions, admin_token=self.admin_token,
+            cumulative_token_mode=cumulative_token_mode,
         )  # fmt: skip
         self._host, self._port = host, port
         self._handle: Any = None
@@ -471,6 +499,12 @@ class Gateway:
     def close_session(self, session_id: str) -> None:
         self.trace_store.close_session(session_id)
         self.pool.forget_session(session_id)
+        self.app.state.session_turns.forget(session_id)
+
+    @property
+    def session_turns(self) -> SessionTurns:
+        """Counts of continued follow-up turns and of those rendered from text instead (by reason)."""
+        return self.app.state.session_turns
 
     def stop(self) -> None:
         if self._handle is not None:

@@ -6,7 +6,10 @@ so multi-turn prompts hit that server's prefix cache. A request that fails at th
 times out, or gets a 5xx marks its server unhealthy and is retried on another server (at most
 `max_retries` times); the session moves with it. Unhealthy servers are probed (`GET /health`) again
 after `probe_interval` seconds and rejoin when they answer; one that missed a weight update is
-brought up to date first, so no request is ever served by stale weights.
+brought up to date first, so no request is ever served by stale weights. A 5xx whose body says the
+engine died (vLLM's `EngineDeadError`: "EngineCore encountered an issue") marks the server unhealthy
+with `engine died: ...` as its reason, kept in `last_error` while its health checks fail; a server
+object with a `.process` (`VLLMServer`) whose process exited is reported unhealthy with its exit code.
 
 Both engines sit behind the same pool; only their admin routes differ:
 
@@ -36,6 +39,7 @@ from typing import Any, NamedTuple
 import httpx
 
 from agentrl.rollout.admin_auth import admin_headers
+from agentrl.rollout.engines.vllm import describe_exit, engine_dead_reason
 from agentrl.rollout.uvicorn_thread import InProcessFirstTransport, find_local_app
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,10 @@ class ServerState:
     next_probe_at: float = 0.0
     requests: int = 0
     failures: int = 0
+    engine_dead: str = ""
+    """Why its engine died (a 5xx naming vLLM's EngineDeadError, or its process exited); '' otherwise."""
+    process: Any = field(default=None, repr=False, compare=False)
+    """The server's process (`VLLMServer.process`) when the pool was given one: its exit is seen at once."""
 
 
 class PoolResponse(NamedTuple):
@@ -160,6 +168,39 @@ class RolloutPool:
         state.last_error = reason
         state.next_probe_at = time.monotonic() + self.probe_interval
 
+    def mark_engine_dead(self, state: ServerState, reason: str) -> None:
+        """Take the server out of routing because its engine died; `reason` stays in `last_error` (after
+        each failed health check's own reason) until the server answers `GET /health` again."""
+        if not state.engine_dead:
+            log.warning("inference server %s is unhealthy: %s", state.url, reason)
+        self.mark_unhealthy(state, reason)
+        state.engine_dead = reason
+
+    def check_processes(self) -> None:
+        """Mark unhealthy, at once, every server whose process (when the pool knows it) has exited."""
+        for state in self.servers:
+            code = state.process.poll() if state.process is not None else None
+            if code is not None and "server process exited" not in state.engine_dead:
+                exited = f"server process exited ({describe_exit(code)})"
+                self.mark_engine_dead(
+                    state, f"{state.engine_dead}; {exited}" if state.engine_dead else exited
+                )
+
+    def server_health(self) -> list[dict[str, Any]]:
+        """Per-server state for a health route: url, healthy, in_flight, policy_version and error (why it
+        is unhealthy: its last error, e.g. `engine died: ...`; '' while healthy)."""
+        self.check_processes()
+        return [
+            {
+                "url": s.url,
+                "healthy": s.healthy,
+                "in_flight": s.in_flight,
+                "policy_version": s.policy_version,
+                "error": "" if s.healthy else s.last_error,
+            }
+            for s in self.servers
+        ]
+
     def _usable(self, state: ServerState) -> bool:
         return state.healthy and state.policy_version == self.policy_version
 
@@ -181,6 +222,7 @@ class RolloutPool:
         anywhere). After `max_retries` failovers, or with no healthy server, returns a 503 whose
         body says what went wrong on each server.
         """
+        self.check_processes()
         self._schedule_due_probes()
         tried: list[ServerState] = []
         errors: list[str] = []
@@ -212,8 +254,13 @@ class RolloutPool:
             finally:
                 state.in_flight -= 1
             if status >= 500:
-                reason = f"HTTP {status}: {str(body)[:300]}"
-                self.mark_unhealthy(state, reason)
+                dead = engine_dead_reason(_error_message(body))
+                if dead is not None:
+                    reason = f"engine died: HTTP {status}: {dead}"
+                    self.mark_engine_dead(state, reason)
+                else:
+                    reason = f"HTTP {status}: {str(body)[:300]}"
+                    self.mark_unhealthy(state, reason)
                 errors.append(f"{state.url}: {reason}")
                 continue
             return PoolResponse(status, body, state.url, state.policy_version)
@@ -267,18 +314,28 @@ class RolloutPool:
     # ---- health --------------------------------------------------------------------------------
 
     async def probe(self, state: ServerState) -> bool:
-        """GET /health; on success bring the server's weights up to date and mark it healthy."""
-        try:
-            resp = await self._client().get(state.url + "/health", timeout=self.probe_timeout)
-            ok = resp.status_code == 200
-            reason = f"health check answered HTTP {resp.status_code}"
-        except httpx.HTTPError as e:
-            ok, reason = False, f"health check failed: {type(e).__name__}"
+        """GET /health; on success bring the server's weights up to date and mark it healthy.
+
+        A server whose engine died keeps that reason in `last_error` while its checks fail."""
+        code = state.process.poll() if state.process is not None else None
+        if code is not None:  # no server will answer on its port: say why
+            ok, reason = False, f"server process exited ({describe_exit(code)})"
+        else:
+            try:
+                resp = await self._client().get(state.url + "/health", timeout=self.probe_timeout)
+                ok = resp.status_code == 200
+                reason = f"health check answered HTTP {resp.status_code}"
+            except httpx.HTTPError as e:
+                ok, reason = False, f"health check failed: {type(e).__name__}"
         if ok and state.policy_version != self.policy_version:
             ok, reason = await self._resync(state)
         if ok:
-            state.healthy, state.last_error = True, ""
+            state.healthy, state.last_error, state.engine_dead = True, "", ""
         else:
+            if state.engine_dead:  # keep why the engine died in front of what this check saw
+                reason = (
+                    state.engine_dead if reason in state.engine_dead else f"{state.engine_dead}; {reason}"
+                )
             state.healthy, state.last_error = False, reason
             state.next_probe_at = time.monotonic() + self.probe_interval
         return ok
@@ -415,4 +472,16 @@ class RolloutPool:
 def _to_state(server: Any, default_engine: str) -> ServerState:
     if isinstance(server, str):
         return ServerState(url=server.rstrip("/"), engine=default_engine)
-    return ServerState(url=server.url.rstrip("/"), engine=getattr(server, "engine", default_engine))
+    process = getattr(server, "process", None)
+    return ServerState(
+        url=server.url.rstrip("/"),
+        engine=getattr(server, "engine", default_engine),
+        process=process if callable(getattr(process, "poll", None)) else None,
+    )
+
+
+def _error_message(body: Any) -> str:
+    """An error answer's `error.message` (OpenAI's shape, vLLM's too), else the whole body as text."""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message", body))
+    return str(body)

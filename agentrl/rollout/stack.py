@@ -60,6 +60,7 @@ class RolloutStack:
             sampling_train=train,
             sampling_val=validation,
             max_n=config.actor_rollout_ref.rollout.max_n_per_request,
+            cumulative_token_mode=config.agent.cumulative_token_mode,
         ).start()
 
     @property

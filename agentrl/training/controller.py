@@ -64,13 +64,24 @@ def _engine_timing(before: list[dict[str, float]], after: list[dict[str, float]]
     `timing/engine_prefill`, `timing/engine_decode` (forwards and sampling) and `timing/engine_host` (the
     scheduler's per-row Python work) in seconds, and inside those `timing/engine_cache_alloc` and
     `timing/engine_graph_capture` (the KV cache and CUDA graphs rebuilt after each sleep); `perf/engine_prefills`, `perf/engine_decode_steps_device`
-    and `perf/engine_decode_steps_host` as counts. The rest of `timing/gen` is the agents, the gateway and
-    waiting."""
+    and `perf/engine_decode_steps_host` as counts, with the token counts (`perf/engine_prompt_tokens`,
+    `perf/engine_prefix_cache_hits`, `perf/engine_prefill_tokens`, `perf/engine_tokens_generated`). Over all
+    engines: `perf/prefix_cache_hit_rate` (prompt tokens found in the cache), `perf/prefill_tokens_per_s`
+    (tokens computed by prefill forwards / their seconds) and `perf/decode_tokens_per_s` (tokens generated /
+    decode seconds). The rest of `timing/gen` is the agents, the gateway and waiting."""
     timing: dict[str, float] = {}
+    totals: dict[str, float] = {}
     for start, end in zip(before, after, strict=True):
         for key, value in end.items():
             name = f"timing/engine_{key.removesuffix('_s')}" if key.endswith("_s") else f"perf/engine_{key}"
             timing[name] = max(timing.get(name, 0.0), value - start.get(key, 0.0))
+            totals[key] = totals.get(key, 0.0) + value - start.get(key, 0.0)
+    if totals.get("prompt_tokens"):
+        timing["perf/prefix_cache_hit_rate"] = totals.get("prefix_cache_hits", 0.0) / totals["prompt_tokens"]
+    if totals.get("prefill_forward_s"):
+        timing["perf/prefill_tokens_per_s"] = totals.get("prefill_tokens", 0.0) / totals["prefill_forward_s"]
+    if totals.get("decode_s"):
+        timing["perf/decode_tokens_per_s"] = totals.get("tokens_generated", 0.0) / totals["decode_s"]
     return timing
 
 
@@ -243,9 +254,13 @@ class Controller:
             timing: dict[str, float] = {}
             with _timer(timing, "step"):
                 busy_before = self.policy.call("engine_counters")
+                turns = self.stack.backend.session_turns
+                continued, fallbacks = turns.continued, turns.fallback_count
                 with _timer(timing, "gen"):
                     episodes, kept = self.collect_training_episodes()
                 timing.update(_engine_timing(busy_before, self.policy.call("engine_counters")))
+                timing["gateway/continued_turns"] = turns.continued - continued
+                timing["gateway/continuation_fallbacks"] = turns.fallback_count - fallbacks
                 metrics = {
                     "training/global_step": step,
                     "training/epoch": self.loader.epoch,

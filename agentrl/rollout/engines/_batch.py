@@ -143,6 +143,10 @@ class DynamicBatch:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self._batch: PaddedBatch | None = None
+        self.counters = dict.fromkeys(
+            ("prompt_tokens", "prefix_hit_tokens", "prefill_tokens", "prefill_forwards", "prefill_s"), 0
+        )
+        """As `SlotBatch.counters`; no prefix is reused here, and a left-padded forward computes its padding."""
 
     @property
     def size(self) -> int:
@@ -153,7 +157,13 @@ class DynamicBatch:
         return self._batch.slots if self._batch is not None else 0
 
     def admit(self, prompts: list[list[int]], copies: list[int], reserve: int) -> torch.Tensor:
+        self.count_prefill(prompts)
         return self._join(*prefill(self.model, prompts), copies)
+
+    def count_prefill(self, prompts: list[list[int]]) -> None:
+        self.counters["prompt_tokens"] += sum(len(p) for p in prompts)
+        self.counters["prefill_tokens"] += len(prompts) * max(len(p) for p in prompts)
+        self.counters["prefill_forwards"] += 1
 
     def _join(self, batch: PaddedBatch, logits: torch.Tensor, copies: list[int]) -> torch.Tensor:
         """Add prefilled prompts as rows, prompt i `copies[i]` times; returns the rows' first logits."""
@@ -167,8 +177,12 @@ class DynamicBatch:
     def decode(self, token_ids: list[int]) -> torch.Tensor:
         return decode(self.model, self._batch, token_ids)
 
-    def keep(self, rows: list[int]) -> None:
+    def keep(self, rows: list[int], finished: dict[int, list[int]] | None = None) -> None:
+        """Keep only `rows`; `finished` is ignored (no prefix cache on this path)."""
         self._batch = select_rows(self._batch, rows) if rows else None
+
+    def forget_prefixes(self) -> None:
+        """Nothing is cached across requests on this path."""
 
     def clear(self) -> None:
         self._batch = None

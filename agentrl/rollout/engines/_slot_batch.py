@@ -26,18 +26,34 @@ import heapq
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from agentrl.rollout.engines._batch import prefill
+from agentrl.rollout.engines._prefix_cache import PrefixCache
 from agentrl.rollout.engines._sampling import as_int64, sample_on_device
-from agentrl.rollout.engines._slot_decode import KVShape, decode_step
+from agentrl.rollout.engines._slot_decode import KVShape, decode_step, prefill_slots
 
 logger = logging.getLogger(__name__)
 MIN_LENGTH = 256
 MIN_BUCKET = 8
 CACHE_SHARE_OF_FREE_MEMORY = 0.9
+PREFILL_MASK_ELEMENTS = 1 << 26
+"""Most attention-mask elements (rows x query rows x keys) one prefill forward builds: bounds its memory."""
+
+
+@dataclass
+class _AdmissionPlan:
+    """How one admission's prompts reach the cache."""
+
+    prefill: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Prompt index -> (its slot, the first position to compute)."""
+    same_as: dict[int, int] = field(default_factory=dict)
+    """Prompt index -> an earlier identical prompt of the admission whose keys and values it copies."""
+    copies_before: list[tuple[int, int, int]] = field(default_factory=list)
+    """(parked slot, new slot, tokens) prefixes copied before the prefill."""
+    sources: set[int] = field(default_factory=set)
+    """Parked slots copied from: evicted for a new row only when no other parked slot is left."""
 
 
 def _next_power_of_two(value: int) -> int:
@@ -95,8 +111,11 @@ class SlotBatch:
         max_model_len: int,
         cuda_graphs: bool,
         compile_decode: bool = False,
+        prefix_caching: bool = True,
+        prefill_chunk_tokens: int = 8192,
     ) -> None:
-        """`compile_decode`: run the decode step through torch.compile (CUDA graphs only): Inductor fuses the
+        """`prefix_caching`: reuse the keys and values of prompt prefixes already computed (`_prefix_cache.py`).
+        `prefill_chunk_tokens`: the most prompt tokens one prefill forward computes. `compile_decode`: run the decode step through torch.compile (CUDA graphs only): Inductor fuses the
         ~40 small kernels per layer (norms, rotary, residuals) that keep a graph replay launch-bound."""
         self.model = model
         self.shape = KVShape.of(model)
@@ -125,6 +144,15 @@ class SlotBatch:
         ] = {}
         self._graph_pool = None
         self._largest_logged = 0
+        self.prefix_caching = prefix_caching
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefixes = PrefixCache()
+        self._groups = model.config.num_attention_heads // self.shape.kv_heads
+        self.counters = dict.fromkeys(
+            ("prompt_tokens", "prefix_hit_tokens", "prefill_tokens", "prefill_forwards", "prefill_s"), 0
+        )
+        """Cumulative: prompt tokens admitted, of them found in the cache, tokens computed by prefill forwards,
+        those forwards and their seconds (`EmbeddedEngine.stats`)."""
         self.setup_s = {"cache_alloc_s": 0.0, "graph_capture_s": 0.0}
         """Cumulative seconds spent (re)allocating the cache and capturing graphs: both recur after each
         sleep, inside the prefill and decode time the engine reports."""
@@ -142,49 +170,162 @@ class SlotBatch:
     def admit(self, prompts: list[list[int]], copies: list[int], reserve: int) -> torch.Tensor:
         """Prefill `prompts`, give prompt i `copies[i]` slots; rows are appended. Returns their first logits.
 
-        `reserve`: the longest sequence (prompt + new tokens) any admitted row may reach.
+        `reserve`: the longest sequence (prompt + new tokens) any admitted row may reach. With prefix caching a
+        prompt starts from the parked slot holding its longest prefix (taking the slot over when the prompt
+        extends all it holds: an agent's next turn), and identical prompts of one admission (GRPO siblings
+        sent as separate requests) are computed once; only the rest is prefilled (`prefill_slots`, packed).
         """
-        self._ensure_length(reserve)
-        prefilled, logits = prefill(self.model, prompts)
-        source = torch.tensor([i for i, c in enumerate(copies) for _ in range(c)], device=self.device)
-        slots = [heapq.heappop(self._free) for _ in range(len(source))]
-        lengths = [len(prompts[i]) for i in source.tolist()]
-        self._copy_prompts(prefilled.cache, source, slots, prefilled.slots, lengths)
-        self._row_slots += slots
-        self._row_positions += lengths
-        self._set_slots(slots, self._active, [1] * len(slots))
-        return logits.index_select(0, source)
+        self._ensure_length(reserve + 1)  # position length-1 stays the idle slots' sink
+        plan = _AdmissionPlan()
+        first_of: dict[tuple[int, ...], int] = {}
+        for i, prompt in enumerate(prompts):
+            self.counters["prompt_tokens"] += len(prompt)
+            key = tuple(prompt)
+            if self.prefix_caching and key in first_of:
+                plan.same_as[i] = first_of[key]
+                self.counters["prefix_hit_tokens"] += len(prompt)
+                continue
+            first_of[key] = i
+            match = self.prefixes.longest(prompt) if self.prefix_caching else None
+            if match is not None and match.whole:
+                self.prefixes.release(match.slot)
+                slot = match.slot
+            else:
+                slot = self._take_slot(plan.sources)
+                if match is not None:
+                    plan.copies_before.append((match.slot, slot, match.length))
+                    plan.sources.add(match.slot)
+            start = match.length if match is not None else 0
+            self.counters["prefix_hit_tokens"] += start
+            plan.prefill[i] = (slot, start)
+        self._copy_prefixes(plan.copies_before)
+        computed = {i: prompts[i][start:] for i, (_, start) in plan.prefill.items()}
+        last_logits = self._prefill_chunks(plan.prefill, computed)
+        row_slots: list[int] = []
+        row_logits: list[torch.Tensor] = []
+        copies_after: list[tuple[int, int, int]] = []
+        for i, prompt in enumerate(prompts):
+            owner = plan.same_as.get(i, i)
+            source = plan.prefill[owner][0]
+            for copy in range(copies[i]):
+                slot = source if copy == 0 and owner == i else self._take_slot(plan.sources)
+                if slot != source:
+                    copies_after.append((source, slot, len(prompt)))
+                row_slots.append(slot)
+                row_logits.append(last_logits[owner])
+        self._copy_prefixes(copies_after)
+        self._row_slots += row_slots
+        self._row_positions += [len(prompts[i]) for i in range(len(prompts)) for _ in range(copies[i])]
+        self._set_slots(row_slots, self._active, [1] * len(row_slots))
+        return torch.stack(row_logits)
 
-    def _copy_prompts(
-        self, cache, source: torch.Tensor, slots: list[int], padded: int, lengths: list[int]
-    ) -> None:
-        """Move left-padded prompt keys/values (row i starts at padded - len_i) to positions 0.. of the slots."""
-        shift = torch.tensor([padded - n for n in lengths], device=self.device)
-        index = (torch.arange(padded, device=self.device).unsqueeze(0) + shift.unsqueeze(1)).clamp_(
-            max=padded - 1
-        )
-        index = index[:, None, :, None].expand(len(slots), self.shape.kv_heads, padded, self.shape.head_dim)
-        target = torch.tensor(slots, device=self.device)
-        for layer, keys, values in zip(cache.layers, self.keys, self.values, strict=True):
-            keys[target, :, :padded] = layer.keys.index_select(0, source).gather(2, index)
-            values[target, :, :padded] = layer.values.index_select(0, source).gather(2, index)
+    def _take_slot(self, preserved: set[int]) -> int:
+        """A slot for a new row: a free one, else the least recently used parked one, sparing those this
+        admission copies from while another will do. Taking a slot that is copied from is still safe: every
+        copy out of a parked slot happens before the prefill writes to any slot."""
+        if self._free:
+            return heapq.heappop(self._free)
+        slot = self.prefixes.evict(preserved)
+        if slot is None:
+            slot = self.prefixes.evict(set())
+        if slot is None:
+            raise RuntimeError(f"no free cache slot: all {self.max_slots} hold running sequences")
+        return slot
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only `rows` (in that order); the other rows' slots are freed."""
+    def _copy_prefixes(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy positions 0..n-1 of each source slot to its target slot, every pair in one indexed copy per
+        layer (a target gets up to the longest n; what lies past its own n is overwritten or masked)."""
+        if not copies:
+            return
+        sources = torch.tensor([c[0] for c in copies], device=self.device)
+        targets = torch.tensor([c[1] for c in copies], device=self.device)
+        longest = max(c[2] for c in copies)
+        with torch.inference_mode():
+            for cache in (*self.keys, *self.values):
+                cache[targets, :, :longest] = cache[sources, :, :longest]
+
+    def _prefill_chunks(
+        self, prefill: dict[int, tuple[int, int]], computed: dict[int, list[int]]
+    ) -> dict[int, torch.Tensor]:
+        """Run the prompts' uncached tokens through `prefill_slots` in forwards of bounded size (a long prompt
+        spans several, its later chunks attending to the earlier ones in its slot); each prompt's last logits."""
+        pending = [(i, slot, start, computed[i]) for i, (slot, start) in prefill.items()]
+        logits: dict[int, torch.Tensor] = {}
+        while pending:
+            batch: list[tuple[int, int, int, list[int]]] = []
+            tokens = span = width = 0
+            for i, slot, start, ids in pending:
+                take = min(len(ids), max(1, self.prefill_chunk_tokens - tokens))
+                while (
+                    not batch and take > 64 and self._groups * take * (start + take) > PREFILL_MASK_ELEMENTS
+                ):
+                    take //= 2  # one long prompt alone: smaller chunks, each attending to the ones before
+                wider, longer = max(width, take), max(span, start + take)
+                if batch and (
+                    tokens + take > self.prefill_chunk_tokens
+                    or (len(batch) + 1) * self._groups * wider * longer > PREFILL_MASK_ELEMENTS
+                ):
+                    break
+                batch.append((i, slot, start, ids[:take]))
+                tokens, span, width = tokens + take, longer, wider
+            started = time.perf_counter()
+            out = prefill_slots(
+                self.model, self.keys, self.values, [b[1] for b in batch], [b[2] for b in batch],
+                [b[3] for b in batch],
+            )  # fmt: skip
+            left_over = []
+            for row, (i, slot, start, chunk) in enumerate(batch):
+                rest = computed[i][start + len(chunk) - prefill[i][1] :]
+                if rest:
+                    left_over.append((i, slot, start + len(chunk), rest))
+                else:
+                    logits[i] = out[row]
+            pending = left_over + pending[len(batch) :]
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.counters["prefill_tokens"] += tokens
+            self.counters["prefill_forwards"] += 1
+            self.counters["prefill_s"] += time.perf_counter() - started
+        return logits
+
+    def keep(self, rows: list[int], finished: dict[int, list[int]] | None = None) -> None:
+        """Keep only `rows` (in that order). A dropped row listed in `finished` (row -> the token ids its slot
+        holds) parks its slot in the prefix cache; the other slots are freed."""
         kept = set(rows)
-        freed = [slot for i, slot in enumerate(self._row_slots) if i not in kept]
-        for slot in freed:
-            heapq.heappush(self._free, slot)
-        if freed:  # a free slot decodes at position 0: its writes never leave the cache
-            self._set_slots(freed, self._active, [0] * len(freed))
-            self._set_slots(freed, self._positions, [0] * len(freed))
+        dropped = [(i, slot) for i, slot in enumerate(self._row_slots) if i not in kept]
+        for i, slot in dropped:
+            tokens = (finished or {}).get(i)
+            if self.prefix_caching and tokens:
+                self.prefixes.park(slot, tokens[: self.length - 1])
+            else:
+                heapq.heappush(self._free, slot)
+        if dropped:  # an idle slot decodes at the sink position, which no sequence reaches
+            idle = [slot for _, slot in dropped]
+            self._set_slots(idle, self._active, [0] * len(idle))
+            self._set_slots(idle, self._positions, [self.sink] * len(idle))
         self._row_slots = [self._row_slots[i] for i in rows]
         self._row_positions = [self._row_positions[i] for i in rows]
+
+    def forget_prefixes(self) -> None:
+        """The weights changed: no parked prefix may be read again."""
+        for slot in self.prefixes.clear():
+            heapq.heappush(self._free, slot)
+
+    @property
+    def held_tokens(self) -> int:
+        """Cache positions holding a running or parked sequence's keys and values."""
+        return sum(self._row_positions) + self.prefixes.parked_tokens
+
+    @property
+    def sink(self) -> int:
+        """Where idle slots write during a decode step: the last cache position, beyond every sequence."""
+        return max(self.length - 1, 0)
 
     def clear(self) -> None:
         """Drop every row, the cache and the graphs (their memory goes back to the allocator)."""
         self._row_slots, self._row_positions = [], []
         self._free = list(range(self.max_slots))
+        self.prefixes.clear()
         self._active.zero_()
         self._positions.zero_()
         self.keys, self.values, self.length = [], [], 0
@@ -200,7 +341,7 @@ class SlotBatch:
     def decode(self, token_ids: list[int]) -> torch.Tensor:
         """Feed each row's pending token; return logits (rows, V) in row order."""
         bucket = self._bucket(max(self._row_slots) + 1)
-        ids, positions = [0] * bucket, [0] * bucket
+        ids, positions = [0] * bucket, [self.sink] * bucket
         for slot, token, position in zip(self._row_slots, token_ids, self._row_positions, strict=True):
             ids[slot], positions[slot] = token, position
         self._token_ids[:bucket].copy_(torch.tensor(ids), non_blocking=True)
@@ -400,6 +541,10 @@ class SlotBatch:
         for new, old in zip(keys + values, self.keys + self.values, strict=False):
             new[:, :, : self.length] = old
         self.keys, self.values, self.length = keys, values, length
+        busy = set(self._row_slots)
+        idle = [slot for slot in range(self.max_slots) if slot not in busy]
+        if idle:
+            self._set_slots(idle, self._positions, [self.sink] * len(idle))
         self.drop_graphs()
         self.setup_s["cache_alloc_s"] += time.perf_counter() - start
         # Rebuilt after every sleep: say it once per size, not at every training step.

@@ -123,3 +123,71 @@ def decode_step(
         hidden = hidden + attn.o_proj(out.reshape(batch, 1, -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     return model.lm_head(inner.norm(hidden))[:, 0]
+
+
+@torch.inference_mode()
+def prefill_slots(
+    model: torch.nn.Module,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    slots: list[int],
+    starts: list[int],
+    chunks: list[list[int]],
+) -> torch.Tensor:
+    """Feed `chunks[r]` at positions starts[r].. of slot slots[r]; write their keys and values; return the
+    logits of each chunk's last token (rows, V).
+
+    Packed: the projections and MLPs run over the chunks' tokens concatenated, with no padding, and each chunk
+    attends to what its slot already holds (positions 0..starts[r]-1: a reused prefix, or an earlier chunk of
+    the same prompt) and causally to itself. Only attention pads, to the longest chunk: one SDPA call over
+    (rows, kv heads, query heads per kv head x widest chunk, keys) with a mask for each row's own positions.
+    """
+    inner = model.model
+    shape = KVShape.of(model)
+    device = keys[0].device
+    lengths = [len(chunk) for chunk in chunks]
+    rows, total, widest = len(chunks), sum(lengths), max(lengths)
+    span = max(start + n for start, n in zip(starts, lengths, strict=True))
+    ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=device)
+    row_of = torch.repeat_interleave(torch.arange(rows), torch.tensor(lengths)).to(device)
+    offset = torch.cat([torch.arange(n) for n in lengths]).to(device)
+    start_of_row = torch.tensor(starts, dtype=torch.long, device=device)
+    positions = start_of_row[row_of] + offset
+    slot_of_row = torch.tensor(slots, dtype=torch.long, device=device)
+    slot_of = slot_of_row[row_of]
+    heads = model.config.num_attention_heads
+    groups = heads // shape.kv_heads
+    query_positions = start_of_row.unsqueeze(1) + torch.arange(widest, device=device).unsqueeze(0)
+    visible = torch.arange(span, device=device).view(1, 1, span) <= query_positions.unsqueeze(2)
+    mask = visible.unsqueeze(1).expand(rows, groups, widest, span).reshape(rows, 1, groups * widest, span)
+
+    hidden = inner.embed_tokens(ids.unsqueeze(0))  # (1, N, H)
+    cos, sin = inner.rotary_emb(hidden, positions.unsqueeze(0))  # (1, N, D)
+    cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # (N, 1, D)
+    for index, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)[0]
+        q = attn.q_proj(x).view(total, heads, shape.head_dim)
+        k = attn.k_proj(x).view(total, shape.kv_heads, shape.head_dim)
+        if getattr(attn, "q_norm", None) is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        v = attn.v_proj(x).view(total, shape.kv_heads, shape.head_dim)
+        keys[index][slot_of, :, positions] = k
+        values[index][slot_of, :, positions] = v
+        padded = q.new_zeros(rows, widest, heads, shape.head_dim)
+        padded[row_of, offset] = q
+        # Grouped-query attention without repeating keys: a kv head's query heads act as its query rows.
+        grouped = padded.permute(0, 2, 1, 3).reshape(rows, shape.kv_heads, groups * widest, shape.head_dim)
+        out = F.scaled_dot_product_attention(
+            grouped,
+            keys[index][:, :, :span].index_select(0, slot_of_row),
+            values[index][:, :, :span].index_select(0, slot_of_row),
+            attn_mask=mask,
+            scale=attn.scaling,
+        )
+        out = out.view(rows, heads, widest, shape.head_dim).permute(0, 2, 1, 3)[row_of, offset]
+        hidden = hidden + attn.o_proj(out.reshape(1, total, heads * shape.head_dim))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    last = torch.tensor(lengths, device=device).cumsum(0) - 1
+    return model.lm_head(inner.norm(hidden[0].index_select(0, last)))

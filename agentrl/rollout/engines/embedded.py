@@ -96,13 +96,18 @@ class EmbeddedEngine:
         compile_decode: bool = False,
         owns_weights: bool = True,
         draw_on_device: bool = True,
+        enable_prefix_caching: bool = True,
+        prefill_chunk_tokens: int = 8192,
     ) -> None:
         """`image_processor`: a vision-language model's (loaded from the model's folder when None).
         `cuda_graphs=False` decodes eagerly (verl's `enforce_eager`); it only matters on CUDA.
         `compile_decode`: the slot path's decode step goes through torch.compile before its graphs are captured.
         `owns_weights=False`: `model` is the trainer's own module (the hybrid engine shares one copy of the
         weights): sleep frees only the KV cache, and the weights stay where training needs them.
-        `draw_on_device=False`: every row draws on the host's schedule (`_step_on_host`), one step at a time."""
+        `draw_on_device=False`: every row draws on the host's schedule (`_step_on_host`), one step at a time.
+        `enable_prefix_caching` (vLLM's name): a finished sequence parks its slot so a prompt extending it (the
+        agent's next turn) or sharing its prefix computes only the rest; identical prompts admitted together
+        are computed once. `prefill_chunk_tokens`: the most prompt tokens one prefill forward computes."""
         self.model = model.eval()
         self.owns_weights = owns_weights
         self.draw_on_device = draw_on_device
@@ -110,6 +115,8 @@ class EmbeddedEngine:
         if image_processor is None and is_vision_language(model):
             self.image_processor = load_image_processor(model.name_or_path)
         self._placeholder_ids = placeholder_token_ids(model)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
@@ -161,6 +168,8 @@ class EmbeddedEngine:
             max_model_len=self.max_model_len,
             cuda_graphs=cuda_graphs,
             compile_decode=compile_decode,
+            prefix_caching=self.enable_prefix_caching,
+            prefill_chunk_tokens=self.prefill_chunk_tokens,
         )
 
     # ----- generation -------------------------------------------------------------------------
@@ -563,7 +572,13 @@ class EmbeddedEngine:
         keep = [i for i, s in enumerate(self._rows) if s.finish_reason is None and not s.request.cancelled]
         self._sequences_finished += sum(s.finish_reason is not None for s in self._rows)
         if len(keep) != len(self._rows):
-            self._batch.keep(keep)
+            # A finished row's slot holds its prompt and every sampled token but the last (never fed).
+            finished = {
+                i: s.request.prompt_ids + s.token_ids[:-1]
+                for i, s in enumerate(self._rows)
+                if s.finish_reason is not None and not s.request.cancelled and s.request.images is None
+            }
+            self._batch.keep(keep, finished)
             self._rows = [self._rows[i] for i in keep]
 
     @staticmethod
@@ -612,6 +627,7 @@ class EmbeddedEngine:
         with self._between_steps():
             load_weights_in_place(self.model, weights)
             self._batch.drop_graphs()
+            self._batch.forget_prefixes()
             self._lora.forget_base()
             self.policy_version += 1
             return self.policy_version
@@ -625,6 +641,7 @@ class EmbeddedEngine:
         with self._between_steps():
             self._lora.merge(self.model, name, path)
             self._batch.drop_graphs()
+            self._batch.forget_prefixes()
             self.policy_version += 1
             return self.policy_version
 
@@ -641,6 +658,7 @@ class EmbeddedEngine:
         with self._between_steps():
             self.model.eval()
             self._batch.drop_graphs()
+            self._batch.forget_prefixes()
             self.policy_version += 1
             return self.policy_version
 
@@ -694,6 +712,7 @@ class EmbeddedEngine:
                 f"busy_{name}": round(value, 4) for name, value in getattr(self._batch, "setup_s", {}).items()
             },
             "throughput_tokens_per_s": round(throughput, 2),
+            **self._cache_stats(),
             "kv_slots": self._batch.slots,
             "sleeping": self._asleep,
             "policy_version": self.policy_version,
@@ -701,6 +720,25 @@ class EmbeddedEngine:
             "max_num_seqs": self.max_num_seqs,
             "max_model_len": self.max_model_len,
         }
+
+    def _cache_stats(self) -> dict[str, Any]:
+        """Prompt tokens admitted and found in the prefix cache, prefill work, and how full the KV cache is."""
+        counters = dict(self._batch.counters)
+        stats = {
+            "prompt_tokens": counters["prompt_tokens"],
+            "prefix_cache_queries": counters["prompt_tokens"],
+            "prefix_cache_hits": counters["prefix_hit_tokens"],
+            "prefill_tokens": counters["prefill_tokens"],
+            "prefill_forwards": counters["prefill_forwards"],
+            "busy_prefill_forward_s": round(counters["prefill_s"], 4),
+            "kv_cache_usage": 0.0,
+            "parked_sequences": 0,
+        }
+        if isinstance(self._batch, SlotBatch) and self._batch.length:
+            capacity = self._batch.max_slots * self._batch.length
+            stats["kv_cache_usage"] = round(self._batch.held_tokens / capacity, 4)
+            stats["parked_sequences"] = len(self._batch.prefixes)
+        return stats
 
     def close(self) -> None:
         """Stop the scheduler thread; waiting and running requests fail with RuntimeError."""

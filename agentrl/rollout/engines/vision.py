@@ -158,4 +158,5 @@ class ImageBatch(DynamicBatch):
     ) -> torch.Tensor:
         if not images or all(x is None for x in images):
             return super().admit(prompts, copies, reserve)
+        self.count_prefill(prompts)
         return self._join(*prefill_with_images(self.model, prompts, images), copies)

@@ -12,12 +12,22 @@ Weight updates go through the server's HTTP routes (see `agentrl.rollout.pool.Ro
   `{"method": "reload_weights", "kwargs": {"weights_path": folder}}` reloads them in place, and
   `POST /reset_prefix_cache` drops KV blocks computed with the old weights. Both routes exist only
   with `VLLM_SERVER_DEV_MODE=1`, which is set here (the servers listen on 127.0.0.1 only).
+
+The dtype rule (issue 21): once healthy, every server answers a one-token `/v1/completions` probe, because
+vLLM's CPU bfloat16 kernels die with SIGILL ('Illegal instruction') at the first generation on some x86
+CPUs (avx512_bf16/amx_bf16) while `/health` still says ok. `dtype="auto"` (the default) launches in
+bfloat16 and, on CPU, relaunches every server in float32 when the probe kills a server, logging one line
+that says why; on CUDA `auto` is bfloat16. An explicit dtype whose probe kills the server is a
+`VLLMStartupError` naming `actor_rollout_ref.rollout.vllm.dtype`.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,6 +42,20 @@ from typing import Any
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
 _LOG_TAIL_LINES = 40
+DTYPE_KEY = "actor_rollout_ref.rollout.vllm.dtype"
+# What vLLM answers (a 5xx body) once its engine core process died: `EngineDeadError`'s message.
+ENGINE_DEAD_MARKERS = ("EngineCore encountered an issue", "EngineDeadError")
+# After a failed probe, how long a dying server gets to exit: vLLM's API server stops at once after it
+# answered its engine-dead error, else within its watchdog's 5 s.
+_EXIT_GRACE_S = 30.0
+_ENGINE_DEAD_EXIT_GRACE_S = 10.0
+# A log line that says how a process died, quoted in the fallback line and in errors.
+_CRASH_LINE = re.compile(
+    r"Illegal instruction|SIGILL|died unexpectedly|died with exit code|exit code: -?\d+|core dumped"
+    r"|EngineCore encountered an issue"
+)
+
+log = logging.getLogger(__name__)
 
 
 class VLLMStartupError(RuntimeError):
@@ -48,6 +72,8 @@ class VLLMServer:
     log_path: Path
     process: subprocess.Popen = field(repr=False)
     engine: str = "vllm"
+    dtype: str = "auto"
+    """The dtype the server was launched with (`auto` resolved: bfloat16 or its float32 fallback)."""
 
     @property
     def pgid(self) -> int:
@@ -89,6 +115,11 @@ class VLLMServer:
 
 class VLLMServerGroup(list):
     """A list of `VLLMServer`s that stops them all when its `with` block ends."""
+
+    @property
+    def dtype(self) -> str | None:
+        """The dtype the servers run in (all alike), None for an empty group."""
+        return self[0].dtype if self else None
 
     def stop(self) -> None:
         """Stop every server (in parallel: each may take seconds to shut down)."""
@@ -187,7 +218,7 @@ def launch_vllm_servers(
     python: str = DEFAULT_VLLM_PYTHON,
     served_model_name: str | None = None,
     max_model_len: int = 512,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     enable_lora: bool = True,
     max_lora_rank: int = 16,
     max_num_seqs: int = 8,
@@ -195,11 +226,15 @@ def launch_vllm_servers(
     startup_timeout: float = 300.0,
     log_dir: str | os.PathLike = "outputs/vllm_logs",
 ) -> VLLMServerGroup:
-    """Start `n` vLLM servers on free ports in parallel and wait until all answer `GET /health`.
+    """Start `n` vLLM servers on free ports in parallel, wait until all answer `GET /health`, then
+    check that each generates one token (`/v1/completions`, `max_tokens: 1`).
 
     `model_path` must be a local HF folder (resolve `tiny:` presets first). Raises
     `VLLMStartupError` with the failing server's last log lines if one exits or is not healthy
-    within `startup_timeout` seconds; every server already started is stopped first.
+    within `startup_timeout` seconds, or if its first generation fails; every server already
+    started is stopped first. `dtype="auto"` is bfloat16, except that on a CPU host a bfloat16
+    server killed by its first generation (SIGILL on some x86 CPUs) makes every server relaunch in
+    float32, with one warning logged. `group.dtype` is the dtype the servers run in.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1 vLLM servers, got {n}")
@@ -208,9 +243,99 @@ def launch_vllm_servers(
             f"vLLM interpreter {python!r} not found (actor_rollout_ref.rollout.vllm.python); "
             "build it with `make setup-vllm`"
         )
-    log_dir = Path(log_dir)
+    first, fallback = dtype_plan(dtype, cuda=dtype == "auto" and _cuda_available())
+    launch = dict(
+        python=python, model_path=model_path, n=n, name=served_model_name or model_path,
+        max_model_len=max_model_len, enable_lora=enable_lora, max_lora_rank=max_lora_rank,
+        max_num_seqs=max_num_seqs, extra_args=extra_args, startup_timeout=startup_timeout,
+        log_dir=Path(log_dir),
+    )  # fmt: skip
+    try:
+        return _launch_group(first, **launch)
+    except _FirstGenerationCrash as crash:
+        if fallback is None:
+            raise VLLMStartupError(_crash_message(crash, dtype)) from None
+        log.warning(
+            "vLLM dtype auto: %s killed the server on port %d at its first generation (%s); relaunching "
+            "in %s (set %s=%s to skip the %s try; log %s)",
+            first, crash.server.port, crash.detail, fallback, DTYPE_KEY, fallback, first, crash.server.log_path,
+        )  # fmt: skip
+    try:
+        return _launch_group(fallback, **launch)
+    except _FirstGenerationCrash as again:
+        raise VLLMStartupError(_crash_message(again, dtype, after=first)) from None
+
+
+def dtype_plan(dtype: str, *, cuda: bool) -> tuple[str, str | None]:
+    """(the dtype to launch in, the one to relaunch in if its first generation kills a server, or None).
+
+    `auto` is bfloat16 with a float32 fallback on CPU (some x86 CPUs die with SIGILL in vLLM's
+    bfloat16 kernels), plain bfloat16 on CUDA; any other dtype is used as given, without fallback.
+    """
+    if dtype == "auto":
+        return "bfloat16", (None if cuda else "float32")
+    return dtype, None
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class _FirstGenerationCrash(Exception):
+    """A healthy server died answering its first generation (the group is already stopped)."""
+
+    def __init__(self, server: VLLMServer, dtype: str, detail: str) -> None:
+        super().__init__(detail)
+        self.server, self.dtype, self.detail = server, dtype, detail
+
+
+def _crash_message(crash: _FirstGenerationCrash, requested: str, *, after: str | None = None) -> str:
+    server = crash.server
+    if after is not None:
+        head = (
+            f"vLLM server on port {server.port} died at its first generation in {crash.dtype} as well "
+            f"({crash.detail}), after {after} did ({DTYPE_KEY}=auto)"
+        )
+        hint = "the crash is not the dtype's: see the log"
+    else:
+        asked = f"{DTYPE_KEY}={requested}" + (
+            f", which is {crash.dtype} on CUDA" if requested != crash.dtype else ""
+        )
+        head = (
+            f"vLLM server on port {server.port} passed its health check but died at its first generation "
+            f"in {crash.dtype} ({crash.detail}; {asked})"
+        )
+        hint = f"set {DTYPE_KEY}=float32 (agentrl serve: --dtype float32)"
+        if crash.dtype == "bfloat16":
+            hint = (
+                "vLLM's CPU bfloat16 kernels die with SIGILL ('Illegal instruction') on some x86 CPUs "
+                f"(avx512_bf16/amx_bf16); {hint}, or auto, which falls back to float32 on CPU by itself"
+            )
+    return f"{head}. {hint}. Last lines of {server.log_path}:\n{server.log_tail()}"
+
+
+def _launch_group(
+    dtype: str,
+    *,
+    python: str,
+    model_path: str,
+    n: int,
+    name: str,
+    max_model_len: int,
+    enable_lora: bool,
+    max_lora_rank: int,
+    max_num_seqs: int,
+    extra_args: Sequence[str],
+    startup_timeout: float,
+    log_dir: Path,
+) -> VLLMServerGroup:
+    """Start `n` servers in `dtype`, wait for health, probe each with one generated token.
+
+    Raises `_FirstGenerationCrash` (group stopped) when a probe killed its server, `VLLMStartupError`
+    (group stopped) on any other failure."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    name = served_model_name or model_path
     env = build_vllm_env()
     _install_exit_handlers()
     group = VLLMServerGroup()
@@ -222,21 +347,95 @@ def launch_vllm_servers(
                 max_num_seqs=max_num_seqs, extra_args=extra_args,
             )  # fmt: skip
             log_path = log_dir / f"vllm_{port}.log"
-            with open(log_path, "wb") as log:
+            with open(log_path, "wb") as log_file:
                 proc = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     env=env, start_new_session=True,
                 )  # fmt: skip
-            server = VLLMServer(f"http://127.0.0.1:{port}", port, name, log_path, proc)
+            server = VLLMServer(f"http://127.0.0.1:{port}", port, name, log_path, proc, dtype=dtype)
             _LIVE.add(server)
             group.append(server)
         deadline = time.monotonic() + startup_timeout
         for server in group:
             _wait_healthy(server, deadline, startup_timeout)
+        for server in group:
+            _probe_first_generation(server, timeout=max(deadline - time.monotonic(), 60.0))
     except BaseException:
         group.stop()
         raise
     return group
+
+
+def engine_dead_reason(text: str) -> str | None:
+    """The line of `text` (an error answer) saying vLLM's engine died, or None when it says no such thing."""
+    for line in str(text).splitlines():
+        if any(marker in line for marker in ENGINE_DEAD_MARKERS):
+            return line.strip()[:300]
+    return None
+
+
+def describe_exit(code: int | None) -> str:
+    """'exit code -4 (SIGILL)' for a process's return code (negative: killed by a signal; 128+N: a shell's)."""
+    if code is None:
+        return "still running"
+    number = -code if code < 0 else code - 128 if 128 < code < 160 else 0
+    try:
+        return f"exit code {code} ({signal.Signals(number).name})" if number else f"exit code {code}"
+    except ValueError:
+        return f"exit code {code}"
+
+
+def _crash_hint(server: VLLMServer) -> str:
+    """The last line of the server's log that says how a process died ('' if none does)."""
+    for line in reversed(server.log_tail(200).splitlines()):
+        if _CRASH_LINE.search(line):
+            return line.strip()[:200]
+    return ""
+
+
+def _probe_first_generation(server: VLLMServer, *, timeout: float) -> None:
+    """One greedy token from `/v1/completions`: returns if it comes, raises `_FirstGenerationCrash` if the
+    request killed the server (its process exited, or it answered vLLM's engine-dead error), else
+    `VLLMStartupError`."""
+    body = {"model": server.model_name, "prompt": "Hello", "max_tokens": 1, "temperature": 0.0}
+    request = urllib.request.Request(
+        f"{server.url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    status, timed_out = 0, False
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            answer = json.loads(resp.read() or b"null")
+        if isinstance(answer, dict) and answer.get("choices"):
+            return
+        error = f"HTTP 200 without choices: {str(answer)[:300]}"
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode(errors="replace")
+        try:  # OpenAI's error shape, as vLLM answers: keep its message
+            text = str(json.loads(text)["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            pass
+        error = f"HTTP {e.code}: {text[:300]}"
+    except (urllib.error.URLError, OSError, ValueError) as e:  # a dropped connection, a timeout, bad JSON
+        error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        timed_out = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
+    error = " ".join(error.split())
+    engine_dead = engine_dead_reason(error)
+    if (status >= 500 or status == 0) and not timed_out:  # the server may be going down: let it exit
+        grace = time.monotonic() + (_EXIT_GRACE_S if engine_dead is None else _ENGINE_DEAD_EXIT_GRACE_S)
+        while server.is_running() and time.monotonic() < grace:
+            time.sleep(0.2)
+    if server.is_running() and engine_dead is None:
+        raise VLLMStartupError(
+            f"vLLM server on port {server.port} is healthy but its first generation (a one-token "
+            f"/v1/completions probe) failed: {error}; last lines of {server.log_path}:\n{server.log_tail()}"
+        )
+    how = describe_exit(server.process.returncode) if not server.is_running() else "the engine died"
+    hint = _crash_hint(server)
+    detail = f"{how}; the request got {error[:200]}" + (f"; log: {hint!r}" if hint else "")
+    raise _FirstGenerationCrash(server, server.dtype, detail)
 
 
 def _wait_healthy(server: VLLMServer, deadline: float, timeout: float) -> None:

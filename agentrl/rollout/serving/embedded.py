@@ -87,6 +87,8 @@ def start_embedded_serving(
         compile_decode=rollout.compile_decode and not rollout.enforce_eager,
         draw_on_device=rollout.draw_on_device,
         owns_weights=policy is None,
+        enable_prefix_caching=rollout.enable_prefix_caching,
+        prefill_chunk_tokens=rollout.max_num_batched_tokens,
     )
     name = served_model_name(config)
     app = build_server_app(

@@ -36,6 +36,7 @@ class VLLMServing:
     def __init__(self, servers: VLLMServerGroup, *, model_name: str, weights_dir: Path) -> None:
         self.servers = servers
         self.model_name = model_name
+        self.dtype = getattr(servers, "dtype", None)  # rollout.vllm.dtype resolved (auto: bf16 or fp32)
         self.weights_dir = Path(weights_dir)
         self.policy_version = 0
         self._admin = RolloutPool(

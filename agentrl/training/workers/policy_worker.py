@@ -184,7 +184,9 @@ class PolicyWorker:
         from agentrl.training.parallel.weight_sync import sync_rollout_weights
 
         arr = self.config.actor_rollout_ref
-        served_dtype = arr.rollout.vllm.dtype if arr.rollout.name == "vllm" else arr.model.dtype
+        served_dtype = arr.model.dtype
+        if arr.rollout.name == "vllm":  # the dtype the servers run in (`auto` resolved at launch)
+            served_dtype = getattr(self.rollout, "dtype", None) or arr.rollout.vllm.dtype
         return sync_rollout_weights(
             self.actor,
             self.rollout,
@@ -194,14 +196,16 @@ class PolicyWorker:
         )
 
     def engine_counters(self) -> dict[str, float]:
-        """The embedded engine's cumulative prefill, decode and host seconds and its prefill and decode step
-        counts (`EmbeddedEngine.stats`); {} for vLLM, whose servers keep their own metrics."""
+        """The embedded engine's cumulative prefill, decode and host seconds, its prefill and decode step counts,
+        and its prompt, prefix-cache hit, prefilled and generated tokens (`EmbeddedEngine.stats`); {} for vLLM,
+        whose servers keep their own metrics."""
         engine = getattr(self.rollout, "engine", None)
         if engine is None:
             return {}
         stats = engine.stats()
         counters = {k[len("busy_") :]: v for k, v in stats.items() if k.startswith("busy_")}
-        counters.update({k: v for k, v in stats.items() if k == "prefills" or k.startswith("decode_steps_")})
+        counted = ("prefills", "prompt_tokens", "prefix_cache_hits", "prefill_tokens", "tokens_generated")
+        counters.update({k: v for k, v in stats.items() if k in counted or k.startswith("decode_steps_")})
         return counters
 
     def sleep_rollout(self) -> None:

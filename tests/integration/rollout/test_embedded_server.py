@@ -292,7 +292,7 @@ def test_admin_routes(admin_server, tmp_path, tokenizer, make_diverse_model):
     assert httpx.post(handle.url + "/sleep").json() == {"is_sleeping": True}
     assert httpx.get(handle.url + "/is_sleeping").json() == {"is_sleeping": True}
     assert httpx.post(handle.url + "/wake_up").json() == {"is_sleeping": False}
-    metrics = httpx.get(handle.url + "/metrics").json()
+    metrics = httpx.get(handle.url + "/stats").json()
     assert (
         metrics["policy_version"] == 2
         and metrics["lora_adapter"] == "mine"

@@ -1,0 +1,165 @@
+"""Token-exact continuation of a session (rLLM's cumulative token mode): the next turn extends the sampled ids.
+
+An agent re-sends its whole history each turn. Rendering that history from text again gives other ids than the
+model sampled (a reply does not re-tokenize to its own ids, tool calls are re-serialised), so the turn would
+not extend the previous prompt + completion: it could not merge into the episode's training row, the model
+would see a history it never produced, and no cached prefix would match. Instead, when a request extends its
+session's previous turn (the same messages and tools, then the assistant reply the session was given, then
+new messages), its prompt is
+
+    previous prompt ids + sampled completion ids + the template's end of that turn + the new messages rendered
+
+Two halves, one per side of the wire:
+- the gateway (`SessionTurns`) decides whether a request extends the previous turn, from the messages alone,
+  and sends the token ids so far with the request (`CONTINUATION_FIELD`);
+- the server (`continue_prompt`) renders the new messages with its chat template, and says in its answer
+  whether it continued (`CONTINUED_FIELD`); it renders the whole request instead when its template renders
+  the history differently from the prompt it rendered before (a template that drops earlier reasoning).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.rollout.chat import normalize_message, render_chat
+
+CONTINUATION_FIELD = "agentrl_continuation"
+"""Request extension: {"prefix_ids": [...], "history": n} where the first n messages (through the assistant
+reply) are what `prefix_ids` holds."""
+CONTINUED_FIELD = "agentrl_continued"
+"""Response extension: true when the server built the prompt from `prefix_ids`; else the reason it did not."""
+_SENTINEL = "\ue000agentrl-turn-end\ue000"
+
+
+@dataclass
+class _Reply:
+    response_ids: list[int]
+    prompt_ids: list[int]
+    content: str
+    tool_calls: list[tuple[str, str]]
+
+
+@dataclass
+class _Turn:
+    messages: list[Any]
+    tools: str
+    replies: list[_Reply] = field(default_factory=list)
+
+
+def _calls(tool_calls: Any) -> list[tuple[str, str]]:
+    """(name, arguments as canonical JSON) per call: ids and argument formatting may differ on the way back."""
+    out = []
+    for call in tool_calls or []:
+        function = (call or {}).get("function") or {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        out.append((str(function.get("name")), json.dumps(arguments, sort_keys=True)))
+    return out
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, list):  # text parts, as the OpenAI client may send an assistant message back
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content or ""
+
+
+class SessionTurns:
+    """The gateway's memory of each session's last chat turn, and the counts of continued and rendered turns."""
+
+    def __init__(self) -> None:
+        self._turns: dict[str, _Turn] = {}
+        self._lock = threading.Lock()
+        self.continued = 0
+        self.fallbacks: dict[str, int] = {}
+        """Reason -> follow-up turns whose prompt was rendered from text instead."""
+
+    @property
+    def fallback_count(self) -> int:
+        return sum(self.fallbacks.values())
+
+    def count_fallback(self, reason: str) -> None:
+        with self._lock:
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+    def count_continued(self) -> None:
+        with self._lock:
+            self.continued += 1
+
+    def plan(
+        self, session_id: str, messages: list[Any], tools: Any
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """(the `CONTINUATION_FIELD` value, None) when `messages` extend the session's last turn; (None, why
+        not) for a follow-up that does not; (None, None) for a session's first turn."""
+        turn = self._turns.get(session_id)
+        if turn is None:
+            return None, None
+        held = len(turn.messages)
+        if messages[:held] != turn.messages:
+            return None, "history_rewritten"
+        if json.dumps(tools, sort_keys=True) != turn.tools:
+            return None, "tools_changed"
+        if len(messages) < held + 2:
+            return None, "no_new_message"
+        reply = messages[held]
+        if not isinstance(reply, dict) or reply.get("role") != "assistant":
+            return None, "no_assistant_reply"
+        said, calls = _content_text(reply.get("content")), _calls(reply.get("tool_calls"))
+        for choice in turn.replies:
+            if choice.content == said and choice.tool_calls == calls:
+                return {"prefix_ids": choice.prompt_ids + choice.response_ids, "history": held + 1}, None
+        return None, "reply_edited"
+
+    def remember(
+        self, session_id: str, messages: list[Any], tools: Any, choices: list[dict[str, Any]]
+    ) -> None:
+        """The turn just answered: its messages and, per choice, the ids and what the client was shown."""
+        replies = [
+            _Reply(
+                response_ids=list(c["response_ids"]),
+                prompt_ids=list(c["prompt_ids"]),
+                content=_content_text(c.get("content")),
+                tool_calls=_calls(c.get("tool_calls")),
+            )
+            for c in choices
+        ]
+        with self._lock:
+            self._turns[session_id] = _Turn(list(messages), json.dumps(tools, sort_keys=True), replies)
+
+    def forget(self, session_id: str) -> None:
+        with self._lock:
+            self._turns.pop(session_id, None)
+
+
+def turn_end_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> list[int]:
+    """The ids the chat template writes after an assistant reply's content (Qwen: `<|im_end|>` and a newline)."""
+    probe = [normalize_message(m) for m in messages] + [{"role": "assistant", "content": _SENTINEL}]
+    text = tokenizer.apply_chat_template(
+        probe, tools=tools or None, tokenize=False, add_generation_prompt=False
+    )
+    closing = text[text.index(_SENTINEL) + len(_SENTINEL) :]
+    return list(tokenizer.encode(closing, add_special_tokens=False)) if closing else []
+
+
+def continue_prompt(
+    tokenizer: Any, prefix_ids: list[int], messages: list[dict[str, Any]], history: int, tools: Any
+) -> tuple[list[int] | None, str | None]:
+    """(prompt ids, None): `prefix_ids` (previous prompt + sampled completion), the end of that turn unless the
+    completion already holds it, then the rendering of `messages[history:]` with the generation prompt.
+    (None, why) when the template renders the history as something the full conversation does not start with."""
+    if not 0 < history < len(messages) or messages[history - 1].get("role") != "assistant":
+        return None, "bad_history"
+    base = render_chat(tokenizer, messages[:history], tools=tools, add_generation_prompt=False)
+    full = render_chat(tokenizer, messages, tools=tools, add_generation_prompt=True)
+    if full[: len(base)] != base:
+        return None, "template_not_prefix_stable"
+    closing = turn_end_ids(tokenizer, messages[: history - 1], tools)
+    if closing and prefix_ids and prefix_ids[-1] == closing[0]:
+        closing = closing[1:]  # the completion ended with the template's end-of-turn token
+    return list(prefix_ids) + closing + full[len(base) :], None

@@ -1,0 +1,112 @@
+"""Which cache slots hold the keys and values of which token prefixes: the embedded engine's prefix cache.
+
+A finished sequence does not give its slot back at once: the slot is *parked* with the token ids whose keys
+and values it holds (prompt + every sampled token but the last, which was never fed). The agent's next turn
+extends exactly those tokens (the gateway continues sessions in token space), so its prompt finds the slot and
+only the new tokens are prefilled; a prompt that shares a shorter prefix (a system prompt, a GRPO sibling)
+copies that part into a fresh slot. Parked slots are the first to go when a new row needs a slot (least
+recently used first), and every parked slot is forgotten when the weights change, so a prefix computed by
+other weights is never read.
+
+Lookup is by chained hashes of 16-token blocks (as vLLM's automatic prefix caching keys its blocks), then
+extended token by token against the chosen slot's ids, so a match is exact to the token.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+BLOCK_TOKENS = 16
+
+
+def block_hashes(token_ids: list[int]) -> list[int]:
+    """Hash i covers tokens [0, 16*(i+1)): equal hashes mean equal prefixes (up to a collision, checked later)."""
+    hashes, running = [], 0
+    for start in range(0, len(token_ids) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+        running = hash((running, tuple(token_ids[start : start + BLOCK_TOKENS])))
+        hashes.append(running)
+    return hashes
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    slot: int
+    length: int
+    """Tokens of the prompt whose keys and values the slot holds at positions 0..length-1."""
+    whole: bool
+    """The slot holds nothing past the match: the prompt can take the slot over instead of copying from it."""
+
+
+class PrefixCache:
+    """Parked slots and the index from prefix hashes to them."""
+
+    def __init__(self) -> None:
+        self._parked: OrderedDict[int, list[int]] = OrderedDict()
+        self._slots_by_hash: dict[int, set[int]] = {}
+        self._hashes: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+    @property
+    def parked_tokens(self) -> int:
+        return sum(len(tokens) for tokens in self._parked.values())
+
+    def park(self, slot: int, token_ids: list[int]) -> None:
+        """Remember that `slot` holds the keys and values of `token_ids` (positions 0..len-1)."""
+        self.release(slot)
+        self._parked[slot] = list(token_ids)
+        self._hashes[slot] = block_hashes(token_ids)
+        for value in self._hashes[slot]:
+            self._slots_by_hash.setdefault(value, set()).add(slot)
+
+    def release(self, slot: int) -> bool:
+        """Forget `slot` (it is taken by a row or evicted); whether it was parked."""
+        if self._parked.pop(slot, None) is None:
+            return False
+        for value in self._hashes.pop(slot):
+            holders = self._slots_by_hash[value]
+            holders.discard(slot)
+            if not holders:
+                del self._slots_by_hash[value]
+        return True
+
+    def evict(self, protected: set[int]) -> int | None:
+        """Release the least recently used parked slot not in `protected`; None when there is none."""
+        for slot in self._parked:
+            if slot not in protected:
+                self.release(slot)
+                return slot
+        return None
+
+    def clear(self) -> list[int]:
+        """Forget every parked slot (the weights changed, or the cache is freed); returns them."""
+        slots = list(self._parked)
+        self._parked.clear()
+        self._slots_by_hash.clear()
+        self._hashes.clear()
+        return slots
+
+    def longest(self, prompt: list[int]) -> PrefixMatch | None:
+        """The parked slot sharing the longest prefix with `prompt`, leaving at least one prompt token to
+        compute (its logits start the answer); None below one block."""
+        hashes = block_hashes(prompt)
+        for blocks in range(len(hashes), 0, -1):
+            holders = self._slots_by_hash.get(hashes[blocks - 1])
+            if not holders:
+                continue
+            slot = max(holders, key=list(self._parked).index) if len(holders) > 1 else next(iter(holders))
+            tokens = self._parked[slot]
+            length = blocks * BLOCK_TOKENS
+            if tokens[:length] != prompt[:length]:  # a hash collision: never reuse what does not match
+                return None
+            limit = min(len(tokens), len(prompt) - 1)
+            while length < limit and tokens[length] == prompt[length]:
+                length += 1
+            length = min(length, len(prompt) - 1)
+            if length < BLOCK_TOKENS:
+                return None
+            self._parked.move_to_end(slot)
+            return PrefixMatch(slot, length, whole=length == len(tokens))
+        return None

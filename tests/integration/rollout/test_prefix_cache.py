@@ -1,0 +1,175 @@
+"""Prefix reuse in the embedded engine: an agent's next turn and a GRPO group's siblings prefill only what is new,
+and what comes out is exactly what a teacher-forced forward of the whole sequence gives."""
+
+import asyncio
+import copy
+import time
+
+import pytest
+import torch
+
+from agentrl.rollout.engines.embedded import EmbeddedEngine
+from agentrl.types import SamplingParams
+
+pytestmark = pytest.mark.slow
+SAMPLE = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+def _engine(model, tokenizer, **kwargs):
+    return EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=8, max_model_len=256, **kwargs)
+
+
+def _prompt(tokenizer, text):
+    messages = [
+        {"role": "system", "content": "You are a careful assistant. " * 4},
+        {"role": "user", "content": text},
+    ]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+
+
+def _teacher_forced(model, prompt, completion):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def _gap(model, prompt, out):
+    return (_teacher_forced(model, prompt, out.token_ids) - torch.tensor(out.logprobs)).abs().max().item()
+
+
+def _wait_for(condition, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def _generate(engine, prompt, params=SAMPLE):
+    async def run():
+        return (await engine.generate(prompt, params))[0]
+
+    out = asyncio.run(run())
+    _wait_for(lambda: engine.stats()["running"] == 0)  # its row retires (and parks) just after the answer
+    return out
+
+
+def _next_turn(tokenizer, prompt, out, text):
+    """Previous prompt + the sampled ids (their last is the end of the turn) + a new user message."""
+    suffix = tokenizer("\n<|im_start|>user\n" + text + "<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    return prompt + out.token_ids + suffix
+
+
+def test_a_next_turn_prefills_only_its_new_tokens_and_stays_exact(model, tokenizer):
+    engine = _engine(model, tokenizer)
+    try:
+        first_prompt = _prompt(tokenizer, "What is 2+3?")
+        first = _generate(engine, first_prompt)
+        before = engine.stats()
+        second_prompt = _next_turn(tokenizer, first_prompt, first, "And 4+4?")
+        second = _generate(engine, second_prompt)
+        after = engine.stats()
+        reused = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+        computed = after["prefill_tokens"] - before["prefill_tokens"]
+        assert reused == len(first_prompt) + len(first.token_ids) - 1  # all but the last sampled token
+        assert computed == len(second_prompt) - reused
+        assert _gap(model, second_prompt, second) < 1e-4
+    finally:
+        engine.close()
+    plain = _engine(model, tokenizer, enable_prefix_caching=False)
+    try:
+        again = _generate(plain, second_prompt)
+        assert plain.stats()["prefix_cache_hits"] == 0
+        assert again.token_ids == second.token_ids  # same seed, same tokens, with and without reuse
+    finally:
+        plain.close()
+
+
+def test_siblings_sent_as_separate_requests_share_one_prefill(model, tokenizer):
+    engine = _engine(model, tokenizer)
+    prompt = _prompt(tokenizer, "Name a colour.")
+
+    async def run():
+        calls = [
+            engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=10, seed=s)) for s in range(4)
+        ]
+        return [outs[0] for outs in await asyncio.gather(*calls)]
+
+    try:
+        outs = asyncio.run(run())
+        stats = engine.stats()
+        assert stats["prefills"] == 1 and stats["prefill_tokens"] == len(prompt)
+        assert stats["prefix_cache_hits"] == 3 * len(prompt)
+        assert len({tuple(o.token_ids) for o in outs}) > 1
+        assert max(_gap(model, prompt, o) for o in outs) < 1e-4
+    finally:
+        engine.close()
+
+
+def test_an_evicted_prefix_is_recomputed_not_read(model, tokenizer):
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=2, max_model_len=256)
+    try:
+        first_prompt = _prompt(tokenizer, "What is 2+3?")
+        first = _generate(engine, first_prompt)
+        for text in (
+            "Spell cat.",
+            "Say hi twice.",
+        ):  # two unrelated sequences: the second evicts the first's slot
+            filler = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True
+            )
+            _generate(engine, filler["input_ids"], GREEDY)
+        _wait_for(
+            lambda: engine.stats()["parked_sequences"] == 2
+        )  # a row parks just after its answer is sent
+        before = engine.stats()["prefix_cache_hits"]
+        second_prompt = _next_turn(tokenizer, first_prompt, first, "And 4+4?")
+        second = _generate(engine, second_prompt)
+        assert engine.stats()["prefix_cache_hits"] == before
+        assert _gap(model, second_prompt, second) < 1e-4
+    finally:
+        engine.close()
+
+
+def test_new_weights_forget_every_prefix(model, tokenizer, make_diverse_model):
+    engine = _engine(model, tokenizer)
+    try:
+        first_prompt = _prompt(tokenizer, "What is 2+3?")
+        first = _generate(engine, first_prompt)
+        other = make_diverse_model(seed=5)
+        engine.update_weights(other.state_dict())
+        before = engine.stats()["prefix_cache_hits"]
+        second_prompt = _next_turn(tokenizer, first_prompt, first, "And 4+4?")
+        second = _generate(engine, second_prompt)
+        assert engine.stats()["prefix_cache_hits"] == before
+        assert _gap(other, second_prompt, second) < 1e-4
+    finally:
+        engine.close()
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_that_attend_to_each_other(model, tokenizer):
+    engine = _engine(model, tokenizer, prefill_chunk_tokens=16)
+    try:
+        prompt = _prompt(tokenizer, "Count slowly: " + " ".join(str(i) for i in range(20)))
+        out = _generate(engine, prompt)
+        stats = engine.stats()
+        assert stats["prefill_forwards"] >= len(prompt) // 16
+        assert stats["prefill_tokens"] == len(prompt)
+        assert _gap(model, prompt, out) < 1e-4
+    finally:
+        engine.close()
+
+
+def test_a_full_engine_reuses_the_slot_a_partial_match_copies_from(model, tokenizer):
+    """One slot: the next turn shares only part of what the parked slot holds (its history was rewritten), and
+    no other slot is free: the parked slot itself becomes the new row's, its matching prefix kept."""
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=1, max_model_len=256)
+    try:
+        first_prompt = _prompt(tokenizer, "What is 2+3?")
+        _generate(engine, first_prompt)
+        rewritten = first_prompt[:-4] + tokenizer("Something else entirely.")["input_ids"]
+        out = _generate(engine, rewritten)
+        assert engine.stats()["prefix_cache_hits"] >= 16
+        assert _gap(model, rewritten, out) < 1e-4
+    finally:
+        engine.close()

@@ -1,0 +1,39 @@
+"""The prefix index: longest exact match, take-over vs copy, least-recently-used eviction."""
+
+from agentrl.rollout.engines._prefix_cache import BLOCK_TOKENS, PrefixCache
+
+
+def test_the_longest_parked_prefix_wins_and_extends_past_block_edges():
+    cache = PrefixCache()
+    shared = list(range(40))
+    cache.park(3, shared[:20])
+    cache.park(5, shared + [99])
+    match = cache.longest(shared + [7, 8])
+    assert (match.slot, match.length, match.whole) == (5, 40, False)  # slot 5 holds 41 tokens; 40 match
+    match = cache.longest(shared[:20] + [1, 2, 3])
+    assert (match.slot, match.length, match.whole) in {(3, 20, True), (5, 20, False)}
+
+
+def test_a_prompt_extending_everything_a_slot_holds_may_take_it_over():
+    cache = PrefixCache()
+    cache.park(1, list(range(33)))
+    match = cache.longest(list(range(33)) + [500, 501])
+    assert (match.slot, match.length, match.whole) == (1, 33, True)
+
+
+def test_at_least_one_prompt_token_is_left_to_compute_and_short_matches_are_ignored():
+    cache = PrefixCache()
+    cache.park(0, list(range(48)))
+    assert cache.longest(list(range(48))).length == 47
+    assert cache.longest(list(range(BLOCK_TOKENS - 1)) + [1000] * 20) is None
+
+
+def test_eviction_is_least_recently_used_and_spares_protected_slots():
+    cache = PrefixCache()
+    for slot in (0, 1, 2):
+        cache.park(slot, [slot] * 20)
+    cache.longest([0] * 25)  # slot 0 used: now the most recent
+    assert cache.evict(protected={1}) == 2
+    assert cache.evict(protected=set()) == 1
+    assert len(cache) == 1 and cache.longest([1] * 25) is None
+    assert cache.clear() == [0] and cache.longest([0] * 25) is None
