@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.rollout.chat import normalize_message, render_chat
+from agentrl.rollout.chat import normalize_message
 
 CONTINUATION_FIELD = "agentrl_continuation"
 """Request extension: {"prefix_ids": [...], "history": n} where the first n messages (through the assistant
@@ -137,29 +137,47 @@ class SessionTurns:
             self._turns.pop(session_id, None)
 
 
-def turn_end_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> list[int]:
-    """The ids the chat template writes after an assistant reply's content (Qwen: `<|im_end|>` and a newline)."""
-    probe = [normalize_message(m) for m in messages] + [{"role": "assistant", "content": _SENTINEL}]
-    text = tokenizer.apply_chat_template(
-        probe, tools=tools or None, tokenize=False, add_generation_prompt=False
-    )
-    closing = text[text.index(_SENTINEL) + len(_SENTINEL) :]
-    return list(tokenizer.encode(closing, add_special_tokens=False)) if closing else []
+def _render_text(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool) -> str:
+    normalized = [normalize_message(m) for m in messages]
+    try:
+        return tokenizer.apply_chat_template(
+            normalized, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as error:  # jinja2 TemplateError, or the template's raise_exception
+        raise ValueError(f"messages: the chat template could not render them: {error}") from error
+
+
+_TURN_ENDS: dict[tuple[int, str], list[int]] = {}
+
+
+def turn_end_ids(tokenizer: Any, tools: Any) -> list[int]:
+    """The ids the chat template writes after an assistant reply's content (Qwen: `<|im_end|>` and a newline),
+    read off a one-exchange conversation; kept per tokenizer and tools."""
+    key = (id(tokenizer), json.dumps(tools, sort_keys=True))
+    if key not in _TURN_ENDS:
+        probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}]
+        text = _render_text(tokenizer, probe, tools, add_generation_prompt=False)
+        closing = text[text.index(_SENTINEL) + len(_SENTINEL) :]
+        _TURN_ENDS[key] = list(tokenizer.encode(closing, add_special_tokens=False)) if closing else []
+    return list(_TURN_ENDS[key])
 
 
 def continue_prompt(
     tokenizer: Any, prefix_ids: list[int], messages: list[dict[str, Any]], history: int, tools: Any
 ) -> tuple[list[int] | None, str | None]:
     """(prompt ids, None): `prefix_ids` (previous prompt + sampled completion), the end of that turn unless the
-    completion already holds it, then the rendering of `messages[history:]` with the generation prompt.
-    (None, why) when the template renders the history as something the full conversation does not start with."""
+    completion already holds it, then the new messages `messages[history:]` with the generation prompt, as the
+    template renders them after the history (text, then only that text tokenized: the cost does not grow with
+    the history). (None, why) when the template renders the history as something the whole conversation does
+    not start with (a template that drops earlier reasoning, say)."""
     if not 0 < history < len(messages) or messages[history - 1].get("role") != "assistant":
         return None, "bad_history"
-    base = render_chat(tokenizer, messages[:history], tools=tools, add_generation_prompt=False)
-    full = render_chat(tokenizer, messages, tools=tools, add_generation_prompt=True)
-    if full[: len(base)] != base:
+    base = _render_text(tokenizer, messages[:history], tools, add_generation_prompt=False)
+    full = _render_text(tokenizer, messages, tools, add_generation_prompt=True)
+    if not full.startswith(base):
         return None, "template_not_prefix_stable"
-    closing = turn_end_ids(tokenizer, messages[: history - 1], tools)
+    closing = turn_end_ids(tokenizer, tools)
     if closing and prefix_ids and prefix_ids[-1] == closing[0]:
         closing = closing[1:]  # the completion ended with the template's end-of-turn token
-    return list(prefix_ids) + closing + full[len(base) :], None
+    suffix = tokenizer.encode(full[len(base) :], add_special_tokens=False)
+    return list(prefix_ids) + closing + list(suffix), None

@@ -32,12 +32,16 @@ import torch
 
 from agentrl.rollout.engines._prefix_cache import PrefixCache
 from agentrl.rollout.engines._sampling import as_int64, sample_on_device
-from agentrl.rollout.engines._slot_decode import KVShape, decode_step, prefill_slots
+from agentrl.rollout.engines._slot_decode import KVShape, decode_step, extend_step, prefill_slots
 
 logger = logging.getLogger(__name__)
 MIN_LENGTH = 256
 MIN_BUCKET = 8
 CACHE_SHARE_OF_FREE_MEMORY = 0.9
+EXTEND_MAX_TOKENS = 64
+"""Prompts with at most this many tokens left to compute (a next turn over a cached history) go through
+`extend_step`'s graphs; longer ones through the packed `prefill_slots`."""
+MIN_EXTEND_WIDTH = 16
 PREFILL_MASK_ELEMENTS = 1 << 26
 """Most attention-mask elements (rows x query rows x keys) one prefill forward builds: bounds its memory."""
 
@@ -147,6 +151,7 @@ class SlotBatch:
         self.prefix_caching = prefix_caching
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefixes = PrefixCache()
+        self._extend_inputs: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self._groups = model.config.num_attention_heads // self.shape.kv_heads
         self.counters = dict.fromkeys(
             ("prompt_tokens", "prefix_hit_tokens", "prefill_tokens", "prefill_forwards", "prefill_s"), 0
@@ -200,7 +205,9 @@ class SlotBatch:
             plan.prefill[i] = (slot, start)
         self._copy_prefixes(plan.copies_before)
         computed = {i: prompts[i][start:] for i, (_, start) in plan.prefill.items()}
-        last_logits = self._prefill_chunks(plan.prefill, computed)
+        short = {i: at for i, at in plan.prefill.items() if len(computed[i]) <= EXTEND_MAX_TOKENS}
+        long = {i: at for i, at in plan.prefill.items() if i not in short}
+        last_logits = {**self._prefill_chunks(long, computed), **self._extend(short, computed)}
         row_slots: list[int] = []
         row_logits: list[torch.Tensor] = []
         copies_after: list[tuple[int, int, int]] = []
@@ -243,6 +250,72 @@ class SlotBatch:
         with torch.inference_mode():
             for cache in (*self.keys, *self.values):
                 cache[targets, :, :longest] = cache[sources, :, :longest]
+
+    def _extend(
+        self, prefill: dict[int, tuple[int, int]], computed: dict[int, list[int]]
+    ) -> dict[int, torch.Tensor]:
+        """Prefill short token runs (a next turn whose history is cached) with `extend_step`, at most `max_slots`
+        rows a call, under a CUDA graph per (rows, width) bucket on CUDA; each prompt's last logits."""
+        logits: dict[int, torch.Tensor] = {}
+        items = list(prefill.items())
+        for first in range(0, len(items), self.max_slots):
+            group = items[first : first + self.max_slots]
+            started = time.perf_counter()
+            rows = self._bucket(len(group))
+            width = min(
+                EXTEND_MAX_TOKENS,
+                max(MIN_EXTEND_WIDTH, _next_power_of_two(max(len(computed[i]) for i, _ in group))),
+            )
+            tokens = torch.zeros(rows, width, dtype=torch.long)
+            positions = torch.full((rows, width), self.sink, dtype=torch.long)
+            slots = torch.zeros(rows, dtype=torch.long)
+            last = torch.zeros(rows, dtype=torch.long)
+            for row, (i, (slot, start)) in enumerate(group):
+                ids = computed[i]
+                tokens[row, : len(ids)] = torch.tensor(ids)
+                positions[row, : len(ids)] = torch.arange(start, start + len(ids))
+                slots[row], last[row] = slot, len(ids) - 1
+            reach = max(start + len(computed[i]) for i, (_, start) in group)
+            span = min(self.length, max(MIN_LENGTH, _next_power_of_two(reach)))
+            out = self._extend_call(tokens, positions, slots, last, span)
+            for row, (i, _) in enumerate(group):
+                logits[i] = out[row]
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.counters["prefill_tokens"] += sum(len(computed[i]) for i, _ in group)
+            self.counters["prefill_forwards"] += 1
+            self.counters["prefill_s"] += time.perf_counter() - started
+        return logits
+
+    def _extend_call(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        last: torch.Tensor,
+        span: int,
+    ) -> torch.Tensor:
+        """`extend_step` on these host tensors over cache positions 0..span-1 (a power of two, so few graphs):
+        replayed from its graph on CUDA (captured on first use)."""
+        if not self.cuda_graphs:
+            moved = (t.to(self.device) for t in (slots, tokens, positions, last))
+            return extend_step(self.model, self.keys, self.values, *moved, span).clone()
+        key = ("extend", *tokens.shape, span)
+        buffers = self._extend_inputs.get(key[:3])
+        if buffers is None:
+            buffers = tuple(torch.zeros_like(t, device=self.device) for t in (slots, tokens, positions, last))
+            self._extend_inputs[key[:3]] = buffers
+        for target, source in zip(buffers, (slots, tokens, positions, last), strict=True):
+            target.copy_(source, non_blocking=True)
+        if key not in self._graphs:
+
+            def step() -> torch.Tensor:
+                return extend_step(self.model, self.keys, self.values, *buffers, span)
+
+            self._graphs[key] = self._capture(step, step)
+        graph, output = self._graphs[key]
+        graph.replay()
+        return output.clone()
 
     def _prefill_chunks(
         self, prefill: dict[int, tuple[int, int]], computed: dict[int, list[int]]

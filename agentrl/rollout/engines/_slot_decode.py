@@ -186,8 +186,67 @@ def prefill_slots(
             attn_mask=mask,
             scale=attn.scaling,
         )
-        out = out.view(rows, heads, widest, shape.head_dim).permute(0, 2, 1, 3)[row_of, offset]
+        out = out.reshape(rows, heads, widest, shape.head_dim).permute(0, 2, 1, 3)[row_of, offset]
         hidden = hidden + attn.o_proj(out.reshape(1, total, heads * shape.head_dim))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     last = torch.tensor(lengths, device=device).cumsum(0) - 1
     return model.lm_head(inner.norm(hidden[0].index_select(0, last)))
+
+
+@torch.inference_mode()
+def extend_step(
+    model: torch.nn.Module,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    slot_ids: torch.Tensor,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    last: torch.Tensor,
+    span: int,
+) -> torch.Tensor:
+    """Feed token_ids[r] (W tokens) at positions[r] of slot slot_ids[r]; write their keys and values; return the
+    logits at token last[r] of each row (R, V). Attention reads cache positions 0..span-1, which must hold every
+    real token's position.
+
+    `decode_step` with W tokens per row instead of one, and fixed shapes, so a short prefill (an agent's next
+    turn: an observation and the template around it) is one CUDA graph replay instead of an eager forward of
+    hundreds of small kernels. Padding tokens (and padding rows) sit at the slot's last cache position, the
+    sink no sequence reaches, so what they write is never read.
+    """
+    inner = model.model
+    shape = KVShape.of(model)
+    rows, width = token_ids.shape
+    heads = model.config.num_attention_heads
+    groups = heads // shape.kv_heads
+    length = span
+    hidden = inner.embed_tokens(token_ids)  # (R, W, H)
+    cos, sin = inner.rotary_emb(hidden, positions)  # (R, W, D)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    visible = torch.arange(length, device=token_ids.device).view(1, 1, length) <= positions.unsqueeze(2)
+    mask = visible.unsqueeze(1).expand(rows, groups, width, length).reshape(rows, 1, groups * width, length)
+    slots = slot_ids.unsqueeze(1)
+    for index, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        q = attn.q_proj(x).view(rows, width, heads, shape.head_dim)
+        k = attn.k_proj(x).view(rows, width, shape.kv_heads, shape.head_dim)
+        if getattr(attn, "q_norm", None) is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = _rotate(q.transpose(1, 2), cos, sin)  # (R, heads, W, D)
+        k = _rotate(k.transpose(1, 2), cos, sin)  # (R, kv heads, W, D)
+        v = attn.v_proj(x).view(rows, width, shape.kv_heads, shape.head_dim)
+        keys[index][slots, :, positions] = k.transpose(1, 2)
+        values[index][slots, :, positions] = v
+        grouped = q.reshape(rows, shape.kv_heads, groups * width, shape.head_dim)
+        out = F.scaled_dot_product_attention(
+            grouped,
+            keys[index][:, :, :span].index_select(0, slot_ids),
+            values[index][:, :, :span].index_select(0, slot_ids),
+            attn_mask=mask,
+            scale=attn.scaling,
+        )
+        out = out.reshape(rows, heads, width, shape.head_dim).transpose(1, 2).reshape(rows, width, -1)
+        hidden = hidden + attn.o_proj(out)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    picked = hidden[torch.arange(rows, device=hidden.device), last]
+    return model.lm_head(inner.norm(picked))

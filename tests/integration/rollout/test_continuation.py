@@ -83,10 +83,12 @@ def test_each_turn_extends_the_previous_prompt_and_completion(server):
             before, now = traces[k - 1], traces[k]
             held = before.prompt_ids + before.response_ids
             history = 2 * k + 1  # system, user, then (assistant, user) per turn: through turn k's reply
-            closing = turn_end_ids(tokenizer, messages[: history - 1], None)
-            closing = closing[1:] if closing and held[-1] == closing[0] else closing
+            closing = turn_end_ids(tokenizer, None)
+            assert tokenizer.decode(closing) == "<|im_end|>\n"  # the template's end of an assistant turn
+            closing = closing[1:] if held[-1] == closing[0] else closing
             base = render_chat(tokenizer, messages[:history], add_generation_prompt=False)
             full = render_chat(tokenizer, messages[: history + 1])
+            assert full[: len(base)] == base
             assert now.prompt_ids == held + closing + full[len(base) :]
     finally:
         gateway.stop()

@@ -1,0 +1,80 @@
+"""Prefill speed of the embedded engine's slot path: the packed forward and the short-run graph, per shape.
+
+An agent's follow-up turn prefills a few dozen new tokens over a long cached history; its first turn, a few
+hundred. This times each path on its own (no scheduler, no HTTP), as tokens computed per second of forward:
+
+    python benchmarks/prefill_speed.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16 --device cuda
+    python benchmarks/prefill_speed.py --model tiny:qwen2 --dtype float32 --device cpu --history 128
+
+- `extend`: R rows x W new tokens each over `--history` cached positions (`extend_step`, a CUDA graph on CUDA);
+- `packed`: R prompts of `--prompt` tokens from scratch (`prefill_slots`, eager);
+and, for scale, one decode step over the same rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from agentrl.models import load_causal_lm
+from agentrl.rollout.engines._slot_batch import SlotBatch
+
+
+def _time(fn, device: str, repeat: int) -> float:
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeat
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny:qwen2")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--history", type=int, default=1024)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--repeat", type=int, default=5)
+    args = p.parse_args()
+    model = load_causal_lm(args.model, dtype=args.dtype, device=args.device).eval()
+    batch = SlotBatch(model, max_slots=128, max_model_len=args.history + 512, cuda_graphs=args.device == "cuda")
+    vocab = model.config.vocab_size
+    print(f"{args.model} {args.dtype} on {args.device}; history {args.history}, prompt {args.prompt}")
+    print("| path | rows | tokens each | ms | tokens/s |\n| --- | ---: | ---: | ---: | ---: |")
+    for rows in (1, 8, 32, 128):
+        prompts = [[(7 * r + 3 * i) % (vocab - 10) + 5 for i in range(args.history)] for r in range(rows)]
+        batch.clear()
+        batch.admit(prompts, [1] * rows, reserve=args.history + 128)  # histories cached in slots 0..rows-1
+        slots = list(batch._row_slots)
+        for width in (16, 64):
+            def extend() -> None:
+                tokens = torch.randint(5, vocab - 5, (batch._bucket(rows), width))
+                positions = torch.full(tokens.shape, batch.sink, dtype=torch.long)
+                positions[:rows] = torch.arange(args.history, args.history + width)
+                slot_ids = torch.zeros(tokens.shape[0], dtype=torch.long)
+                slot_ids[:rows] = torch.tensor(slots)
+                last = torch.full((tokens.shape[0],), width - 1, dtype=torch.long)
+                span = max(256, 1 << (args.history + width - 1).bit_length())
+                batch._extend_call(tokens, positions, slot_ids, last, min(span, batch.length))
+
+            ms = _time(extend, args.device, args.repeat) * 1000
+            print(f"| extend | {rows} | {width} | {ms:.2f} | {rows * width / ms * 1000:,.0f} |")
+        fresh = [[(11 * r + 5 * i) % (vocab - 10) + 5 for i in range(args.prompt)] for r in range(rows)]
+        computed = {r: fresh[r] for r in range(rows)}
+        plan = {r: (slots[r], 0) for r in range(rows)}
+        ms = _time(lambda: batch._prefill_chunks(plan, computed), args.device, args.repeat) * 1000
+        print(f"| packed | {rows} | {args.prompt} | {ms:.2f} | {rows * args.prompt / ms * 1000:,.0f} |")
+        with torch.inference_mode():
+            ms = _time(lambda: batch.decode([5] * rows), args.device, args.repeat) * 1000
+        print(f"| decode step | {rows} | 1 | {ms:.2f} | {rows / ms * 1000:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
