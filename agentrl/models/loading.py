@@ -1,7 +1,8 @@
 """Loading models, tokenizers and processors through the ordinary transformers path.
 
-Every path first goes through `resolve_model_path`, so `tiny:` specs, local folders and hub ids
-are all loaded the same way (`from_pretrained` on a folder); nothing here is tiny-specific.
+Every path first goes through `resolve_model_path`, so `tiny:` specs, the `smollm2-135m-instruct`
+preset, local folders and hub ids are all loaded the same way (`from_pretrained` on a folder); nothing
+here is preset-specific.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from agentrl.models.smollm2 import SMOLLM2_NAME, smollm2_problem
 from agentrl.models.tiny import TINY_PREFIX, resolve_model_path
 
 # A Hugging Face repo id: `name` or `namespace/name`, word characters, '.' and '-', at most 96 long.
@@ -32,14 +34,18 @@ def model_path_problem(path: str, key: str) -> str | None:
     A `tiny:` preset, an existing folder and anything shaped like a hub id (`org/name`) pass; a
     path that does not exist and cannot be a hub id (absolute, `./`, `~`, several slashes) fails
     here with the key named, instead of later with transformers' "Repo id must be in the form".
+    `smollm2-135m-instruct` passes once converted or where its wheel and `gguf` are installed.
     """
+    if path == SMOLLM2_NAME:
+        return smollm2_problem(key)
     if path.startswith(TINY_PREFIX) or Path(path).expanduser().exists():
         return None
     if _HUB_ID_RE.match(path) and ".." not in path and "--" not in path:
         return None
     return (
         f"{key}={path!r}: no such file or folder, and not a Hugging Face model id "
-        "(such as 'Qwen/Qwen2.5-0.5B-Instruct'); give an existing model folder, a hub id or tiny:<preset>"
+        "(such as 'Qwen/Qwen2.5-0.5B-Instruct'); give an existing model folder, a hub id, tiny:<preset> "
+        f"or {SMOLLM2_NAME}"
     )
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.models import tokenizer as tok_lib
+from agentrl.models.cache import cache_base
+from agentrl.models.smollm2 import SMOLLM2_NAME, resolve_smollm2
 
 TINY_PREFIX = "tiny:"
 # Bump when the build code changes in a way the recipe dict does not capture.
@@ -174,8 +176,7 @@ def parse_tiny_spec(spec: str) -> tuple[TinyPreset, int]:
 
 def cache_root() -> Path:
     """`$AGENTRL_CACHE/tiny` if set, else `~/.cache/agentrl/tiny`."""
-    base = os.environ.get("AGENTRL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "agentrl")
-    return Path(base) / "tiny"
+    return cache_base() / "tiny"
 
 
 def tiny_model_dir(preset: TinyPreset, seed: int) -> Path:
@@ -184,7 +185,11 @@ def tiny_model_dir(preset: TinyPreset, seed: int) -> Path:
 
 
 def resolve_model_path(path: str) -> str:
-    """Return a loadable model path: `tiny:` specs are built (once) and cached; anything else unchanged."""
+    """Return a loadable model path: `tiny:` specs are built (once) and cached, the `smollm2-135m-instruct`
+    preset is converted (once) from its wheel and cached (before any local folder of that name); anything
+    else unchanged."""
+    if path == SMOLLM2_NAME:
+        return resolve_smollm2()
     if not isinstance(path, str) or not path.startswith(TINY_PREFIX):
         return path
     preset, seed = parse_tiny_spec(path)

@@ -20,6 +20,11 @@ from agentrl.types import SamplingParams
 MAX_TOP_LOGPROBS = 20
 COMPLETIONS_MAX_TOKENS = 16
 """`max_tokens` of a `/v1/completions` request that sets none (OpenAI's and vLLM's default)."""
+PROMPT_LIMIT_CODE = "max_prompt_length_exceeded"
+"""`error.code` of the 400 for a prompt longer than the limit it was sent under (`data.max_prompt_length`, or
+the server's `max_model_len`); the collector ends such an episode as `max_prompt_length_exceeded`."""
+PROMPT_LIMIT_FIELD = "agentrl_max_prompt_tokens"
+"""agentrl's extension: the longest prompt, in tokens, the server may generate for (the gateway sets it)."""
 
 
 class _Lenient(BaseModel):
@@ -107,6 +112,9 @@ class SamplingFields(_Lenient):
     """vLLM's extension (`extra_body`): keep generating past EOS."""
     min_tokens: int = Field(0, ge=0)
     """vLLM's extension (`extra_body`): EOS, stop tokens and stop strings end nothing before this many tokens."""
+    logit_bias: dict[str, float] | None = None
+    """Token id -> bias. Checked as vLLM checks it (ids inside the vocabulary); the embedded engine does not
+    apply it."""
 
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` (chat's newer name) or `max_tokens`."""
@@ -148,6 +156,8 @@ class ContinuationIn(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
     agentrl_continuation: ContinuationIn | None = None
+    agentrl_max_prompt_tokens: int | None = Field(None, ge=1)
+    """`PROMPT_LIMIT_FIELD`: a longer prompt is refused with code `PROMPT_LIMIT_CODE` before generating."""
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -161,20 +171,53 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+    agentrl_max_prompt_tokens: int | None = Field(None, ge=1)
+    """`PROMPT_LIMIT_FIELD`: a longer prompt is refused with code `PROMPT_LIMIT_CODE` before generating."""
 
 
-def build_error(message: str, param: str | None = None, status: int = 400) -> dict[str, Any]:
-    """OpenAI error body: `{"error": {"message", "type", "param", "code"}}`."""
-    kind = {
-        400: "BadRequestError",
-        401: "AuthenticationError",
-        403: "PermissionDeniedError",
-        404: "NotFoundError",
-        409: "ConflictError",
-    }.get(  # fmt: skip
-        status, "InternalServerError"
-    )
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+def top_logprobs_error(logprobs: bool | None, top_logprobs: int | None) -> str | None:
+    """Why a chat request's `top_logprobs` cannot be served (set without `logprobs`; vLLM refuses it too)."""
+    if top_logprobs and not logprobs:
+        return f"{top_logprobs} was asked without logprobs; set logprobs to true to use top_logprobs"
+    return None
+
+
+def logit_bias_error(logit_bias: dict[str, float] | None, vocab_size: int) -> str | None:
+    """Why `logit_bias` cannot be served: a key that is not a token id, or an id outside [0, vocab_size)."""
+    if not logit_bias:
+        return None
+    bad_keys = []
+    for key in logit_bias:
+        try:
+            if not 0 <= int(key) < vocab_size:
+                bad_keys.append(key)
+        except (TypeError, ValueError):
+            return f"key {key!r} is not a token id (an integer)"
+    if bad_keys:
+        return f"token id(s) {bad_keys[:5]} are outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    422: "UnprocessableEntityError",
+    503: "ServiceUnavailableError",
+}
+"""`error.type` by HTTP status: vLLM 0.32's names, which the embedded server and the gateway both use."""
+
+
+def build_error(
+    message: str, param: str | None = None, status: int = 400, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI error body `{"error": {"message", "type", "param", "code"}}` as vLLM 0.32 writes it: `type` from
+    `ERROR_TYPES` (InternalServerError for other statuses), `code` the status unless a named `code` is given
+    (the gateway's refusals: `max_turns_exceeded`, `PROMPT_LIMIT_CODE`)."""
+    kind = ERROR_TYPES.get(status, "InternalServerError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
 
 
 def new_id(prefix: str) -> str:

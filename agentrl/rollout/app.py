@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 
 from agentrl.rollout._openai_protocol import (
     COMPLETIONS_MAX_TOKENS,
+    PROMPT_LIMIT_CODE,
     ChatCompletionRequest,
     CompletionRequest,
     NamedToolChoice,
@@ -36,8 +37,10 @@ from agentrl.rollout._openai_protocol import (
     build_error,
     build_usage,
     format_validation_error,
+    logit_bias_error,
     new_id,
     now,
+    top_logprobs_error,
 )
 from agentrl.rollout._sse import stream_chat, stream_completions
 from agentrl.rollout.admin_auth import AdminAuthError, build_admin_guard
@@ -58,11 +61,14 @@ __all__ = ["build_server_app", "RequestError"]
 
 
 class RequestError(Exception):
-    """A request the server refuses; becomes an OpenAI error body with `param` naming the field."""
+    """A request the server refuses; becomes an OpenAI error body with `param` naming the field (and `code`
+    a named reason where one exists, e.g. `PROMPT_LIMIT_CODE`)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+        self.message, self.param, self.status, self.code = message, param, status, code
 
 
 class UpdateWeightsBody(BaseModel):
@@ -83,12 +89,23 @@ class _Server:
         self.token_text = TokenText(tokenizer)
         self.chat_prompts = ChatRenderCache(tokenizer)
 
-    def check_prompt(self, prompt_ids: list[int], param: str) -> None:
+    def check_prompt(self, prompt_ids: list[int], param: str, max_prompt_tokens: int | None = None) -> None:
+        """Refuse a prompt longer than `max_prompt_tokens` (the request's `agentrl_max_prompt_tokens`, which
+        the gateway sets to `data.max_prompt_length`) or one that leaves no room in `max_model_len`; both
+        answer 400 with code `max_prompt_length_exceeded`, before anything is generated."""
+        if max_prompt_tokens is not None and len(prompt_ids) > max_prompt_tokens:
+            raise RequestError(
+                f"{param}: the prompt has {len(prompt_ids)} tokens, more than the {max_prompt_tokens} allowed "
+                "(data.max_prompt_length); shorten the history you send",
+                param,
+                code=PROMPT_LIMIT_CODE,
+            )
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(
                 f"{param}: the prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} "
                 "(the prompt plus at least one completion token must fit)",
                 param,
+                code=PROMPT_LIMIT_CODE,
             )
 
     def check_n(self, n: int) -> None:
@@ -112,6 +129,9 @@ class _Server:
         self.check_n(req.n)
         if error := req.min_tokens_error(default_max_tokens):
             raise RequestError(f"min_tokens: {error}", "min_tokens")
+        vocab_size = getattr(self.engine, "vocab_size", None) or len(self.tokenizer)
+        if error := logit_bias_error(req.logit_bias, vocab_size):
+            raise RequestError(f"logit_bias: {error}", "logit_bias")
 
 
 _MEDIA_PARTS = ("image_url", "image", "input_image", "video", "video_url", "input_audio", "audio_url")
@@ -176,12 +196,14 @@ def _render_chat_request(
         except (ValueError, OSError) as error:
             field = next((f for f, _ in refs if str(error).startswith(f)), "messages")
             raise RequestError(str(error), field) from error
-    server.check_prompt(prompt_ids, "messages")
+    server.check_prompt(prompt_ids, "messages", req.agentrl_max_prompt_tokens)
     return prompt_ids, bool(tools) and req.tool_choice != "none", images, continued
 
 
 async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
     server.check_request(req)
+    if error := top_logprobs_error(req.logprobs, req.top_logprobs):
+        raise RequestError(f"top_logprobs: {error}", "top_logprobs")
     prompt_ids, parse_tools, images, continued = _render_chat_request(server, req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     extra = {"constraint": constraint} if (constraint := _chat_constraint(req, tools)) else {}
@@ -230,7 +252,9 @@ async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
     return response
 
 
-def _completion_prompts(server: _Server, prompt: Any) -> list[list[int]]:
+def _completion_prompts(
+    server: _Server, prompt: Any, max_prompt_tokens: int | None = None
+) -> list[list[int]]:
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -244,7 +268,7 @@ def _completion_prompts(server: _Server, prompt: Any) -> list[list[int]]:
         tokens = server.tokenizer(item)["input_ids"] if isinstance(item, str) else list(item)
         if not tokens:
             raise RequestError(f"prompt[{i}]: is empty", "prompt")
-        server.check_prompt(tokens, "prompt")
+        server.check_prompt(tokens, "prompt", max_prompt_tokens)
         ids.append(tokens)
     return ids
 
@@ -253,7 +277,7 @@ async def _completions(server: _Server, req: CompletionRequest) -> Any:
     server.check_request(req, default_max_tokens=COMPLETIONS_MAX_TOKENS)
     if req.echo:
         raise RequestError("echo: not supported by the embedded engine", "echo")
-    prompts = _completion_prompts(server, req.prompt)
+    prompts = _completion_prompts(server, req.prompt, req.agentrl_max_prompt_tokens)
     top = req.logprobs or 0
     version = server.engine.policy_version
     params = [
@@ -357,7 +381,7 @@ class DirectCalls:
             message, param = format_validation_error(list(error.errors()))
             return 400, build_error(message, param)
         except RequestError as error:
-            return error.status, build_error(error.message, error.param, error.status)
+            return error.status, build_error(error.message, error.param, error.status, error.code)
 
 
 def build_server_app(
@@ -391,7 +415,7 @@ def build_server_app(
 
     @app.exception_handler(RequestError)
     async def _refused(_: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(build_error(exc.message, exc.param, exc.status), status_code=exc.status)
+        return JSONResponse(build_error(exc.message, exc.param, exc.status, exc.code), status_code=exc.status)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Any:

@@ -19,7 +19,7 @@ import httpx
 import openai
 
 from agentrl.flow import AgentFlow, RolloutContext
-from agentrl.rollout.gateway import TURN_LIMIT_CODE
+from agentrl.rollout.gateway import refusal_reason
 from agentrl.rollout.uvicorn_thread import InProcessFirstTransport
 from agentrl.types import Episode, Step, Task, TerminationReason, Trace, Trajectory
 
@@ -34,6 +34,9 @@ class SessionHost(Protocol):
 
     def refused_calls(self, session_id: str) -> int:
         """Model calls the gateway refused because the session reached `max_calls`."""
+
+    def refused_prompts(self, session_id: str) -> int:
+        """Model calls the gateway refused because their prompt passed `data.max_prompt_length`."""
 
     def session_traces(self, session_id: str) -> list[Trace]:
         """Traces of the session's model calls, in call order."""
@@ -144,12 +147,9 @@ class RolloutCollector:
                 f"rollout exceeded agent.timeout={self.limits.timeout}s",
             )
         except openai.BadRequestError as exc:
-            if exc.code == TURN_LIMIT_CODE:  # the gateway refused a call beyond agent.max_steps
-                reason = TerminationReason.MAX_TURNS_EXCEEDED
-            too_long = "length" in str(exc).lower() and "prompt" in str(exc).lower()
+            reason = refusal_reason(exc.code)  # the gateway's refusals, by error.code (never by text)
             if reason is None:
-                reason = TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED if too_long else TerminationReason.ERROR
-                error = f"{exc!r}\n{traceback.format_exc()}"
+                reason, error = TerminationReason.ERROR, f"{exc!r}\n{traceback.format_exc()}"
         except _RETRYABLE as exc:
             reason, error, retryable = TerminationReason.ERROR, f"{exc!r}\n{traceback.format_exc()}", True
         except Exception as exc:  # noqa: BLE001 - a failing agent costs one rollout, not the run
@@ -157,6 +157,7 @@ class RolloutCollector:
         finally:
             traces = self.backend.session_traces(session_id)
             refused = self.backend.refused_calls(session_id)
+            refused_prompts = self.backend.refused_prompts(session_id)
             self.backend.close_session(session_id)
         try:
             episode = (
@@ -167,7 +168,9 @@ class RolloutCollector:
         except TypeError as exc:
             reason, error = TerminationReason.ERROR, str(exc)
             episode = build_episode(task, flow.name, None, traces)
-        episode.termination_reason = reason or classify_termination(episode, traces, self.limits, refused)
+        episode.termination_reason = reason or classify_termination(
+            episode, traces, self.limits, refused, refused_prompts
+        )
         episode.error = error
         episode.metrics.update(num_model_calls=float(len(traces)), latency_s=time.perf_counter() - started)
         if retryable:
@@ -263,7 +266,11 @@ def fill_steps_from_traces(trajectories: list[Trajectory], traces: list[Trace]) 
 
 
 def classify_termination(
-    episode: Episode, traces: list[Trace], limits: CollectorLimits, refused_calls: int = 0
+    episode: Episode,
+    traces: list[Trace],
+    limits: CollectorLimits,
+    refused_calls: int = 0,
+    refused_prompts: int = 0,
 ) -> TerminationReason:
     """Why a rollout that returned normally ended, from its traces and the agent limits.
 
@@ -275,7 +282,7 @@ def classify_termination(
         return episode.termination_reason
     if refused_calls or len(traces) > limits.max_steps:
         return TerminationReason.MAX_TURNS_EXCEEDED
-    if any(len(t.prompt_ids) > limits.max_prompt_length for t in traces):
+    if refused_prompts or any(len(t.prompt_ids) > limits.max_prompt_length for t in traces):
         return TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED
     if any(t.finish_reason == "length" for t in traces):
         return TerminationReason.MAX_RESPONSE_LENGTH_EXCEEDED

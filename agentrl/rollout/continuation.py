@@ -137,7 +137,9 @@ class SessionTurns:
             self._turns.pop(session_id, None)
 
 
-def _render_text(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool) -> str:
+def _render_text(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool
+) -> str:
     normalized = [normalize_message(m) for m in messages]
     try:
         return tokenizer.apply_chat_template(

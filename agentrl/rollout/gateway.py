@@ -13,6 +13,9 @@ Sessions are registered first (`POST /sessions`, or `TraceStore.open_session` / 
 in-process); a call for an unknown session is a 404, so a straggling request of a finished rollout
 cannot slip into training data. `allow_implicit_sessions=True` (what `agentrl serve` uses) opens a
 session on its first call instead. A model name other than the served one is a 404 naming `model`.
+Two refusals end an episode, each with its `error.code`: a call beyond the session's cap (`agent.max_steps`:
+`max_turns_exceeded`) and a prompt over `max_prompt_tokens` (`data.max_prompt_length`:
+`max_prompt_length_exceeded`). Errors have vLLM's shape (`type` BadRequestError, NotFoundError, ...).
 Session control and trace reads are admin routes (`admin_auth.py`): open on loopback, behind a
 bearer token when the gateway binds another address. The gateway holds no algorithm logic: it
 translates and forwards. Image parts go to the embedded engine of a vision-language policy (each trace
@@ -34,12 +37,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
 from agentrl.data.images import has_image_parts
-from agentrl.rollout._openai_protocol import ChatMessageIn, SamplingFields
+from agentrl.rollout._openai_protocol import (
+    PROMPT_LIMIT_CODE,
+    PROMPT_LIMIT_FIELD,
+    ChatMessageIn,
+    SamplingFields,
+    build_error,
+    top_logprobs_error,
+)
 from agentrl.rollout.admin_auth import AdminAuthError, build_admin_guard, resolve_admin_token
 from agentrl.rollout.continuation import CONTINUATION_FIELD, CONTINUED_FIELD, SessionTurns
 from agentrl.rollout.pool import RolloutPool
 from agentrl.rollout.traces import TraceStore, UnknownSessionError
-from agentrl.types import SamplingParams, Trace, logprob_count_problem
+from agentrl.types import SamplingParams, TerminationReason, Trace, logprob_count_problem
 
 _TOKEN_FIELDS = ("prompt_token_ids", "token_ids", "prompt_images")
 
@@ -73,19 +83,38 @@ class _SessionBody(BaseModel):
 
 TURN_LIMIT_CODE = "max_turns_exceeded"
 """Error code of the 400 a session gets for a model call beyond its cap (`agent.max_steps`)."""
+REFUSAL_REASONS = {
+    TURN_LIMIT_CODE: TerminationReason.MAX_TURNS_EXCEEDED,
+    PROMPT_LIMIT_CODE: TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED,
+}
+"""How an episode ends whose model call the gateway refused with this `error.code`
+(`openai.BadRequestError.code` in the flow)."""
+
+
+def refusal_reason(code: Any) -> TerminationReason | None:
+    """The termination reason of a call the gateway refused with `error.code` `code` (`REFUSAL_REASONS`), or
+    None for any other error: what the collector reads from `openai.BadRequestError.code`, never the text."""
+    return REFUSAL_REASONS.get(code) if isinstance(code, str) else None
+
+
+_VLLM_PROMPT_PARAMS = ("input_tokens", "input_text")
+"""`error.param` of vLLM 0.32's 400 for a prompt over its context length (`renderers/params.py`)."""
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 422: "invalid_request_error"}
-    body = {
-        "error": {
-            "message": message,
-            "type": kind.get(status, "server_error"),
-            "param": param,
-            "code": code or status,
-        }
-    }
-    return JSONResponse(body, status_code=status)
+    """An error in the embedded server's and vLLM's shape (`type` BadRequestError, NotFoundError, ...)."""
+    return JSONResponse(build_error(message, param, status, code), status_code=status)
+
+
+def is_prompt_too_long(body: Any) -> bool:
+    """Whether a server's 400 body refuses the prompt as too long: the embedded server's code, or vLLM's
+    context-length refusal (its `param`, or its ValueError `... exceeds model's maximum context length`)."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        return False
+    if error.get("code") == PROMPT_LIMIT_CODE or error.get("param") in _VLLM_PROMPT_PARAMS:
+        return True
+    return "maximum context length" in str(error.get("message") or "")
 
 
 class _BadRequest(Exception):
@@ -122,12 +151,15 @@ def build_gateway_app(
     allow_implicit_sessions: bool = False,
     admin_token: str | None = None,
     cumulative_token_mode: bool = True,
+    max_prompt_tokens: int | None = None,
 ) -> FastAPI:
     """The gateway's FastAPI app; `sampling_val` defaults to greedy with `sampling_train`'s length cap.
 
     `admin_token`: the bearer token that session control and trace reads require; None leaves them
     open to loopback clients only. `cumulative_token_mode`: a chat turn that extends its session's previous
     one continues from the sampled ids (`continuation.py`); off, every turn is rendered from its messages.
+    `max_prompt_tokens` (`data.max_prompt_length`): a call whose prompt is longer is refused with a 400 of
+    code `max_prompt_length_exceeded` (`refuse_prompt`), as is a server's own refusal of a too-long prompt.
     """
     sampling = {
         "train": sampling_train,
@@ -137,6 +169,7 @@ def build_gateway_app(
     app = FastAPI(title="agentrl gateway")
     app.state.pool, app.state.trace_store, app.state.sampling = pool, trace_store, sampling
     app.state.admin_token = admin_token
+    app.state.max_prompt_tokens = max_prompt_tokens
     app.state.session_turns = turns = SessionTurns()
     admin = [Depends(build_admin_guard(admin_token))]
 
@@ -226,6 +259,9 @@ def build_gateway_app(
             )
         if error := req.min_tokens_error():  # unset max_tokens is the mode's cap here, not 16
             raise _BadRequest(f"invalid field 'min_tokens': {error}", "min_tokens")
+        if chat and (error := top_logprobs_error(req.logprobs, req.top_logprobs)):
+            # Checked here: the server is always asked with logprobs on, so it would serve this.
+            raise _BadRequest(f"invalid field 'top_logprobs': {error}", "top_logprobs")
         if req.n > max_n:
             raise _BadRequest(
                 f"invalid field 'n': {req.n} is above the cap of {max_n} (rollout.max_n_per_request)", "n"
@@ -255,15 +291,27 @@ def build_gateway_app(
             upstream[CONTINUATION_FIELD] = continuation
         if req.seed is None and sampling[mode].seed is not None:
             upstream["seed"] = derive_call_seed(sampling[mode].seed, sid, trace_store.call_count(sid))
+        vllm = any(s.engine == "vllm" for s in pool.servers)
+        if max_prompt_tokens is not None and not vllm:  # the embedded server refuses before generating
+            upstream[PROMPT_LIMIT_FIELD] = max_prompt_tokens
         started = time.perf_counter()
         resp = await pool.forward(sid, "/v1/chat/completions" if chat else "/v1/completions", upstream)
         latency = time.perf_counter() - started
+        if resp.status == 400 and is_prompt_too_long(resp.body):
+            return refuse_prompt(sid, resp.body["error"], "messages" if chat else "prompt")
         if resp.status != 200:
             return JSONResponse(resp.body, status_code=resp.status)
         try:
             traces = extract_traces(resp.body, sid, chat=chat, messages=raw.get("messages"))
         except ValueError as e:
             return _error(502, f"inference server {resp.server} answered without usable token ids: {e}")
+        longest = max((len(t.prompt_ids) for t in traces), default=0)
+        if max_prompt_tokens is not None and longest > max_prompt_tokens:  # vLLM checks only max_model_len
+            message = (
+                f"the prompt has {longest} tokens, more than the {max_prompt_tokens} allowed "
+                "(data.max_prompt_length); shorten the history you send"
+            )
+            return refuse_prompt(sid, {"message": message}, "messages" if chat else "prompt")
         # The embedded server reports the version its weights had when the request started; vLLM does not.
         version = resp.body.get("policy_version")
         version = version if isinstance(version, int) else resp.policy_version
@@ -292,6 +340,13 @@ def build_gateway_app(
         chunks = stream_chat(body, usage) if chat else stream_completion(body, usage)
         return StreamingResponse(chunks, media_type="text/event-stream")
 
+    def refuse_prompt(sid: str, error: dict[str, Any], param: str) -> JSONResponse:
+        """The 400 for a prompt over the limit, code `max_prompt_length_exceeded`; counted for the session
+        (`TraceStore.refused_prompts`), so a flow that catches it still ends as max_prompt_length_exceeded."""
+        trace_store.refuse_prompt(sid)
+        message = str(error.get("message") or "the prompt is too long")
+        return _error(400, message, error.get("param") or param, code=PROMPT_LIMIT_CODE)
+
     return app
 
 
@@ -309,6 +364,7 @@ def build_upstream_body(
     """The body sent to the server: the client's request under the mode's sampling settings."""
     body = dict(raw)
     asked = req.requested_max_tokens()
+    body.pop(PROMPT_LIMIT_FIELD, None)  # the gateway's to set (data.max_prompt_length), not the client's
     body.pop("max_completion_tokens", None)
     body.pop("stream_options", None)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -456,16 +512,18 @@ class Gateway:
         port: int = 0,
         admin_token: str | None = None,
         cumulative_token_mode: bool = True,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         """`admin_token` guards session control and traces; bound off loopback without one (and without
-        `$AGENTRL_ADMIN_TOKEN`), a random token is made: read it from `.admin_token`."""
+        `$AGENTRL_ADMIN_TOKEN`), a random token is made: read it from `.admin_token`. `max_prompt_tokens`
+        (`data.max_prompt_length`) refuses longer prompts (`build_gateway_app`)."""
         self.pool = pool
         self.trace_store = trace_store or TraceStore()
         self.admin_token = resolve_admin_token(host, admin_token)
         self.app = build_gateway_app(
             pool, self.trace_store, sampling_train=sampling_train, sampling_val=sampling_val,
             max_n=max_n, allow_implicit_sessions=allow_implicit_sessions, admin_token=self.admin_token,
-            cumulative_token_mode=cumulative_token_mode,
+            cumulative_token_mode=cumulative_token_mode, max_prompt_tokens=max_prompt_tokens,
         )  # fmt: skip
         self._host, self._port = host, port
         self._handle: Any = None
@@ -492,6 +550,9 @@ class Gateway:
 
     def refused_calls(self, session_id: str) -> int:
         return self.trace_store.refused_calls(session_id)
+
+    def refused_prompts(self, session_id: str) -> int:
+        return self.trace_store.refused_prompts(session_id)
 
     def session_traces(self, session_id: str) -> list[Trace]:
         return self.trace_store.traces(session_id)

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
+from agentrl.rollout._openai_protocol import build_error
 from agentrl.rollout.admin_auth import admin_headers
 from agentrl.rollout.engines.vllm import describe_exit, engine_dead_reason
 from agentrl.rollout.uvicorn_thread import InProcessFirstTransport, find_local_app
@@ -265,7 +266,7 @@ class RolloutPool:
                 continue
             return PoolResponse(status, body, state.url, state.policy_version)
         message = "request failed on every server tried: " + ("; ".join(errors) or self._describe_unhealthy())
-        return PoolResponse(503, {"error": {"message": message, "type": "ServiceUnavailable"}}, "", -1)
+        return PoolResponse(503, build_error(message, None, 503), "", -1)
 
     async def _call_direct(self, url: str, path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
         """The answer of an embedded server this process serves, called as Python (`server.DirectCalls`: no

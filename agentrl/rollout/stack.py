@@ -61,6 +61,7 @@ class RolloutStack:
             sampling_val=validation,
             max_n=config.actor_rollout_ref.rollout.max_n_per_request,
             cumulative_token_mode=config.agent.cumulative_token_mode,
+            max_prompt_tokens=config.data.max_prompt_length,
         ).start()
 
     @property

@@ -47,6 +47,7 @@ class TraceStore:
         self._max_calls: dict[str, int | None] = {}
         self._calls: dict[str, int] = {}
         self._refused: dict[str, int] = {}
+        self._refused_prompts: dict[str, int] = {}
 
     def open_session(
         self, session_id: str | None = None, mode: str = "train", max_calls: int | None = None
@@ -65,12 +66,21 @@ class TraceStore:
             self._max_calls[sid] = max_calls
             self._calls.setdefault(sid, 0)
             self._refused.setdefault(sid, 0)
+            self._refused_prompts.setdefault(sid, 0)
         return sid
 
     def close_session(self, session_id: str) -> None:
         """Forget the session and its traces (no error if it is already gone)."""
         with self._lock:
-            for table in (self._modes, self._traces, self._max_calls, self._calls, self._refused):
+            tables = (
+                self._modes,
+                self._traces,
+                self._max_calls,
+                self._calls,
+                self._refused,
+                self._refused_prompts,
+            )
+            for table in tables:
                 table.pop(session_id, None)
 
     def begin_call(self, session_id: str) -> bool:
@@ -94,6 +104,17 @@ class TraceStore:
         """Calls refused because the session reached its cap (0 for unknown sessions)."""
         with self._lock:
             return self._refused.get(session_id, 0)
+
+    def refuse_prompt(self, session_id: str) -> None:
+        """Count a call refused because its prompt was over the limit (`data.max_prompt_length`)."""
+        with self._lock:
+            if session_id in self._refused_prompts:
+                self._refused_prompts[session_id] += 1
+
+    def refused_prompts(self, session_id: str) -> int:
+        """Calls refused because their prompt was too long (0 for unknown sessions)."""
+        with self._lock:
+            return self._refused_prompts.get(session_id, 0)
 
     def has_session(self, session_id: str) -> bool:
         with self._lock:

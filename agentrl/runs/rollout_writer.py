@@ -3,7 +3,8 @@
 `<trainer.rollout_data_dir>/step_000003.jsonl` holds step 3's training episodes (kept and filtered alike),
 `val_step_000003.jsonl` the validation run after it; each line is one episode in the versioned format that
 docs/rollouts.md describes (`FORMAT_VERSION`). Files are written whole and renamed, so a crash leaves no
-half file, and a resumed run that redoes a step replaces that step's file. Which episodes are saved under
+half file; a resumed run first deletes the files of steps after its checkpoint (`truncate_rollouts`), then
+writes them again as it redoes those steps. Which episodes are saved under
 `trainer.rollout_data_fraction` < 1 depends only on the episode id and the step, never on an RNG that
 training draws from (resume stays exact).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,11 +27,29 @@ ROLLOUTS_DIR = "rollouts"
 """The folder under the run folder used when `trainer.rollout_data_dir` is null."""
 _DATA_URL_KEEP = 64
 """Characters kept of an inline `data:` URL (an image); the rest would bloat every step's file."""
+_STEP_FILE = re.compile(r"^(?:val_)?step_(?P<step>\d+)\.jsonl$")
 
 
 def rollout_file_name(step: int, split: str) -> str:
     """`step_000003.jsonl` for training episodes, `val_step_000003.jsonl` for validation."""
     return f"{'val_' if split == 'val' else ''}step_{step:06d}.jsonl"
+
+
+def truncate_rollouts(folder: Path, step: int) -> list[Path]:
+    """Delete the rollout files (train and val) of steps after `step` in `folder`, and leftover temporary files
+    of an interrupted write; returns what was deleted. A resumed run calls it with its checkpoint's step, so
+    every saved step is one the run's history holds (each file holds one step, so no file is rewritten)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    doomed = list(folder.glob("*step_*.jsonl.tmp"))
+    for path in folder.glob("*step_*.jsonl"):
+        match = _STEP_FILE.match(path.name)
+        if match and int(match["step"]) > step:
+            doomed.append(path)
+    for path in doomed:
+        path.unlink(missing_ok=True)
+    return sorted(doomed)
 
 
 def config_hash(config: Any) -> str:

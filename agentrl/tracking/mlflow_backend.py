@@ -199,3 +199,106 @@ class MlflowBackend:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def tracking_uri_of(run_dir: Path) -> str:
+    """The tracking URI a run in `run_dir` logs to: `$MLFLOW_TRACKING_URI`, else `run_dir/mlflow.db`."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(run_dir).resolve()}/mlflow.db"
+
+
+def truncate_mlflow_history(run_dir: Path, step: int) -> dict[str, int]:
+    """Remove what the MLflow run of `run_dir` (`mlflow_run_id.txt`) logged for steps after `step`: metric
+    values and episode traces. Returns counts: `metrics` (values deleted) and `traces`.
+
+    A resumed run calls it with its checkpoint's step, so the steps it redoes appear once in MLflow too.
+    MLflow's API cannot delete metric values, so they are deleted in the store itself, in one transaction,
+    when it is a SQLite file (the run folder's `mlflow.db`, or a `sqlite:///` `MLFLOW_TRACKING_URI`); the
+    run's latest values are recomputed. Another store (a tracking server) keeps them: the UI then shows two
+    values at each redone step, and a warning says so. Traces are deleted through MLflow's API
+    (`delete_traces`), on any store. Nothing here stops a run: a failure is a warning.
+    """
+    id_file = Path(run_dir) / RUN_ID_FILE
+    if not id_file.exists():
+        return {"metrics": 0, "traces": 0}
+    run_id = id_file.read_text().strip()
+    uri = tracking_uri_of(run_dir)
+    counts = {"metrics": 0, "traces": 0}
+    try:
+        counts["metrics"] = _delete_sqlite_metrics(uri, run_id, step)
+    except Exception as err:  # noqa: BLE001 - a view of the run; metrics.jsonl is the record
+        logger.warning(
+            "MLflow: could not remove metric values after step %d of run %s (%r)", step, run_id, err
+        )
+    try:
+        counts["traces"] = _delete_traces_after(uri, run_id, step)
+    except Exception as err:  # noqa: BLE001
+        logger.warning(
+            "MLflow: could not remove episode traces after step %d of run %s (%r)", step, run_id, err
+        )
+    return counts
+
+
+def _delete_sqlite_metrics(uri: str, run_id: str, step: int) -> int:
+    import sqlite3
+
+    if not uri.startswith("sqlite:///"):
+        logger.warning(
+            "MLflow (%s) keeps the metric values run %s logged after step %d before this resume: its API "
+            "cannot delete them, so the redone steps show two values there (metrics.jsonl holds each once)",
+            uri,
+            run_id,
+            step,
+        )
+        return 0
+    path = Path(uri[len("sqlite:///") :])
+    if not path.exists():
+        return 0
+    con = sqlite3.connect(path, timeout=30)
+    try:
+        with con:  # one transaction: every table changes or none
+            deleted = con.execute(
+                "DELETE FROM metrics WHERE run_uuid = ? AND step > ?", (run_id, step)
+            ).rowcount
+            stale = [
+                key
+                for (key,) in con.execute(
+                    "SELECT key FROM latest_metrics WHERE run_uuid = ? AND step > ?", (run_id, step)
+                )
+            ]
+            for key in stale:
+                con.execute("DELETE FROM latest_metrics WHERE run_uuid = ? AND key = ?", (run_id, key))
+                con.execute(
+                    "INSERT INTO latest_metrics (key, value, timestamp, step, is_nan, run_uuid) "
+                    "SELECT key, value, timestamp, step, is_nan, run_uuid FROM metrics "
+                    "WHERE run_uuid = ? AND key = ? ORDER BY step DESC, timestamp DESC, value DESC LIMIT 1",
+                    (run_id, key),
+                )
+    finally:
+        con.close()
+    return deleted
+
+
+def _delete_traces_after(uri: str, run_id: str, step: int) -> int:
+    _silence_mlflow_logging()
+    from mlflow.tracking import MlflowClient
+
+    from agentrl.tracking.mlflow_traces import TAG_PREFIX
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = client.get_run(run_id).info.experiment_id
+    doomed: list[str] = []
+    token = None
+    while True:
+        page = client.search_traces(
+            locations=[experiment_id], run_id=run_id, include_spans=False, max_results=500, page_token=token
+        )
+        for trace in page:
+            tagged = trace.info.tags.get(TAG_PREFIX + "step")
+            if tagged is not None and tagged.isdigit() and int(tagged) > step:
+                doomed.append(trace.info.trace_id)
+        token = page.token
+        if not token:
+            break
+    for i in range(0, len(doomed), 100):
+        client.delete_traces(experiment_id, trace_ids=doomed[i : i + 100])
+    return len(doomed)

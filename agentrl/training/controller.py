@@ -37,6 +37,7 @@ from agentrl.flow import AgentFlow
 from agentrl.rollout.collector import CollectorLimits, RolloutCollector
 from agentrl.rollout.stack import build_rollout_stack
 from agentrl.runs.rollout_writer import ROLLOUTS_DIR, RolloutLog, config_hash
+from agentrl.runs.truncate import truncate_run_history
 from agentrl.tracking import build_tracker, progress_bar, set_progress_postfix
 from agentrl.training.metrics import (
     compute_batch_metrics,
@@ -218,6 +219,8 @@ class Controller:
             ),
         )
         self.n = arr.rollout.n
+        if resume_from is not None:  # steps after the checkpoint are redone: their old history goes
+            truncate_run_history(self.run_dir, self.global_step, cfg.trainer.rollout_data_dir)
         # A fresh start (no checkpoint, or resume disabled) must not append to an earlier run's history.
         self.tracker = build_tracker(
             cfg.trainer.logger,

@@ -144,3 +144,63 @@ def test_resumed_steps_are_bit_identical(tmp_path, uninterrupted, sig, extra):
     resumed_weights = load_file(run_dir / "hf_model" / "model.safetensors")
     assert weights.keys() == resumed_weights.keys()
     assert all(weights[k].equal(resumed_weights[k]) for k in weights)
+
+
+def _with(command: list[str], *overrides: str) -> list[str]:
+    """`command` with `overrides` in place of its settings of the same keys."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return [c for c in command if c.split("=", 1)[0] not in keys] + list(overrides)
+
+
+def test_sigkill_after_a_logged_step_leaves_every_step_once(tmp_path):
+    """Killed (SIGKILL) in step 4 after step 3 was logged, checkpoint at 2: the rerun redoes step 3, and
+    metrics.jsonl, the rollout files and the MLflow run hold each step once (issue 27)."""
+    from mlflow.tracking import MlflowClient
+
+    from agentrl.runs.rollout_files import read_rollouts, rollout_steps
+
+    (tmp_path / "pausing.py").write_text(FLOW)
+    run_dir = tmp_path / "run"
+    command = _with(_command(run_dir), "trainer.logger=[console,mlflow]", "trainer.rollout_trace_freq=1")
+    # The flow waits once step 3's rollout file exists: step 4's rollouts wait, after step 3 is logged.
+    env = {**os.environ, "PAUSE_WHEN": str(run_dir / "rollouts" / "step_000003.jsonl")}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    first = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 400
+    while 3 not in {int(r["step"]) for r in read_metrics_history(run_dir)}:
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "step 3 not logged within 400 s"
+        time.sleep(0.2)
+    time.sleep(1.0)
+    first.send_signal(signal.SIGKILL)
+    first.communicate(timeout=120)
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3]
+    assert not (run_dir / "checkpoints" / "global_step_4").exists()
+
+    env.pop("PAUSE_WHEN")
+    resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stderr and "global_step_2" in resumed.stderr
+
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]  # each step once, not 1, 2, 3, 3, 4
+    assert rollout_steps(run_dir) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        records = read_rollouts(run_dir, step)
+        assert {r["step"] for r in records} == {step}
+        assert len({r["episode_id"] for r in records}) == len(records)
+
+    run_id = (run_dir / "mlflow_run_id.txt").read_text().strip()
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    assert [m.step for m in client.get_metric_history(run_id, "training/global_step")] == [1, 2, 3, 4]
+    experiment_id = client.get_run(run_id).info.experiment_id
+    traces = client.search_traces(
+        locations=[experiment_id], run_id=run_id, include_spans=False, max_results=1000
+    )
+    keys = [(t.info.tags["agentrl.split"], t.info.tags["agentrl.step"], t.info.tags["agentrl.episode_id"])
+            for t in traces]  # fmt: skip
+    assert len(keys) == len(set(keys))  # step 3's traces from before the kill were removed, not doubled
+    assert {k[1] for k in keys} >= {"3", "4"}

@@ -111,6 +111,51 @@ def test_requests_the_server_refuses_name_the_field(server_url):
     assert httpx.post(chat, json={"messages": text_parts, "max_tokens": 2}).status_code == 200
 
 
+def test_long_prompts_top_logprobs_and_logit_bias_are_refused_as_vllm_refuses_them(server_url, model):
+    """A prompt over `agentrl_max_prompt_tokens` (the gateway's data.max_prompt_length) or over max_model_len is
+    a 400 with code max_prompt_length_exceeded before anything is generated; `top_logprobs` without `logprobs`
+    and `logit_bias` ids outside the vocabulary are 400s naming the field; `type` is vLLM's BadRequestError."""
+    chat, completions = server_url + "/v1/chat/completions", server_url + "/v1/completions"
+    user = [{"role": "user", "content": "2+3?"}]
+    refusals = [
+        (chat, {"messages": user, "agentrl_max_prompt_tokens": 3}, "messages", "more than the 3 allowed"),
+        (
+            completions,
+            {"prompt": PROMPT, "agentrl_max_prompt_tokens": 3},
+            "prompt",
+            "more than the 3 allowed",
+        ),
+        (completions, {"prompt": list(range(200))}, "prompt", "max_model_len is 128"),
+    ]
+    for url, body, param, text in refusals:
+        r = httpx.post(url, json={**body, "max_tokens": 2})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "max_prompt_length_exceeded", r.text
+        assert (error["type"], error["param"]) == ("BadRequestError", param) and text in error["message"]
+    assert httpx.post(
+        chat, json={"messages": user, "max_tokens": 2, "agentrl_max_prompt_tokens": 100}
+    ).is_success
+
+    r = httpx.post(chat, json={"messages": user, "max_tokens": 2, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    assert "set logprobs to true" in r.json()["error"]["message"]
+    r = httpx.post(chat, json={"messages": user, "max_tokens": 2, "top_logprobs": 2, "logprobs": True})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+
+    vocab = model.get_input_embeddings().weight.shape[0]
+    for url, body in ((chat, {"messages": user}), (completions, {"prompt": PROMPT})):
+        for bias, text in (
+            ({str(vocab): 5.0}, f"outside the vocabulary [0, {vocab})"),
+            ({"x": 1}, "'x' is not"),
+        ):
+            r = httpx.post(url, json={**body, "max_tokens": 2, "logit_bias": bias})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == "logit_bias" and text in error["message"], (
+                r.text
+            )
+        assert httpx.post(url, json={**body, "max_tokens": 2, "logit_bias": {str(vocab - 1): 1.0}}).is_success
+
+
 @pytest.fixture(scope="module")
 def server_url(model, tokenizer):
     engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=8, max_model_len=128)

@@ -118,6 +118,29 @@ def test_min_tokens_and_ignore_eos_reach_vllm_under_its_names(stack) -> None:
         greedy("ext-bad", min_tokens=9)
 
 
+def test_prompts_over_the_limit_get_the_gateways_code_from_vllm_too(stack) -> None:
+    """vLLM's own context-length 400 (max_model_len 256) and a prompt within it but over the gateway's
+    data.max_prompt_length (64) are both a 400 with code max_prompt_length_exceeded; no trace is kept."""
+    _, servers, _ = stack
+    pool = RolloutPool(servers, model_name=MODEL, engine="vllm", request_timeout=60, probe_interval=60)
+    sampling = SamplingParams(temperature=1.0, max_tokens=4)
+    with Gateway(pool, sampling_train=sampling, max_prompt_tokens=64) as gateway:
+        for sid, call in (
+            ("long-chat", lambda c: c.chat.completions.create(model=MODEL, messages=[
+                {"role": "user", "content": "many words " * 300}])),
+            ("long-ids", lambda c: c.completions.create(model=MODEL, prompt=list(range(5, 305)))),
+            ("over-64", lambda c: c.completions.create(model=MODEL, prompt=list(range(5, 105)))),
+        ):  # fmt: skip
+            client = openai.OpenAI(base_url=gateway.open_session(sid), api_key="x", max_retries=0)
+            with pytest.raises(openai.BadRequestError) as info:
+                call(client)
+            assert info.value.code == "max_prompt_length_exceeded", info.value.body
+            assert gateway.session_traces(sid) == [] and gateway.refused_prompts(sid) == 1
+        client = openai.OpenAI(base_url=gateway.open_session("fits"), api_key="x", max_retries=0)
+        client.completions.create(model=MODEL, prompt=PROMPT_IDS)
+        assert len(gateway.session_traces("fits")) == 1
+
+
 def test_full_weight_reload_serves_the_new_weights(stack, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 

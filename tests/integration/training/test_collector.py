@@ -186,6 +186,50 @@ def test_a_prompt_over_max_prompt_length_is_flagged(stack):
     assert episode.termination_reason == TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED
 
 
+FILLER = "Check each digit of that sum again and explain the carry, step by step, in plain words. " * 3
+
+
+def _growing_history(stop_cleanly: bool) -> AgentFlow:
+    """A multi-turn chat that adds a long user turn after every reply until the gateway refuses the prompt."""
+
+    @agent_flow
+    async def grows(task, ctx):
+        messages = list(MESSAGES)
+        for _ in range(30):
+            try:
+                reply = await ctx.client.chat.completions.create(model=ctx.model, messages=messages)
+            except openai.BadRequestError as exc:
+                if stop_cleanly and exc.code == "max_prompt_length_exceeded":
+                    return "stopped at the prompt limit"
+                raise
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": FILLER},
+            ]
+        return "never refused"
+
+    return grows
+
+
+@pytest.mark.parametrize("stop_cleanly", [False, True], ids=["raises", "catches-the-code"])
+def test_a_history_outgrowing_max_prompt_length_ends_as_such_and_keeps_its_turns(stack, stop_cleanly):
+    """The gateway refuses the call (400, code max_prompt_length_exceeded: data.max_prompt_length is 256 here)
+    before the engine generates; the episode keeps its earlier turns, whether the flow raises or stops."""
+    limit = stack.backend.app.state.max_prompt_tokens
+    assert limit == 256
+    [episode] = collect(
+        stack, _growing_history(stop_cleanly), [Task(id="t")], max_steps=30, max_prompt_length=limit
+    )
+    assert episode.termination_reason == TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED
+    assert episode.error is None
+    steps = episode.trajectories[0].steps
+    assert len(steps) >= 2 and episode.metrics["num_model_calls"] == len(steps)
+    assert all(len(s.prompt_ids) <= limit and s.response_ids for s in steps)
+    assert episode.answer == ("stopped at the prompt limit" if stop_cleanly else None)
+    rows, _ = episodes_to_rows([episode])
+    assert rows and all(any(r.response_mask) for r in rows)
+
+
 def test_a_step_claiming_text_the_model_never_produced_is_counted_and_excluded(stack):
     @agent_flow
     async def claims(task, ctx):

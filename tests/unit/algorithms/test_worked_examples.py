@@ -292,6 +292,9 @@ class _NoGateway:
     def refused_calls(self, session_id: str) -> int:
         return 0
 
+    def refused_prompts(self, session_id: str) -> int:
+        return 0
+
     def session_traces(self, session_id: str) -> list:
         return []
 

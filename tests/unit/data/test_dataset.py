@@ -146,3 +146,22 @@ def test_rows_keep_their_tool_schemas(tmp_path):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     [loaded] = load_dataset_rows(write_jsonl(tmp_path / "t.jsonl", [make_row(tools=tools)]))
     assert loaded["tools"] == tools
+
+
+def test_a_byte_that_is_not_utf8_names_the_file_row_and_line(tmp_path):
+    good = json.dumps(make_row(0)) + "\n"
+    bad = json.dumps(make_row(1)).replace("What is", "What\xa0is").encode("latin-1")  # 0xa0: a Latin-1 space
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(good.encode() + b"\n" + bad + b"\n")
+    with pytest.raises(DatasetError) as err:
+        load_dataset_rows(path)
+    column = bad.index(b"\xa0") + 1
+    message = str(err.value)
+    assert message.startswith(f"{path}: row 1 (line 3, byte {column}): byte 0xa0 is not UTF-8 text")
+    assert "re-save the file as UTF-8" in message and "codec" not in message
+
+    rows = json.dumps([make_row(0), make_row(1)], indent=1).encode()
+    path = tmp_path / "latin1.json"
+    path.write_bytes(rows.replace(b"What is 1", b"What is \xff1"))
+    with pytest.raises(DatasetError, match=r"latin1\.json: line \d+, byte \d+: byte 0xff is not UTF-8"):
+        load_dataset_rows(path)

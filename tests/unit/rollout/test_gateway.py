@@ -13,20 +13,25 @@ import threading
 import httpx
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
+from agentrl.rollout._openai_protocol import PROMPT_LIMIT_CODE, build_error
 from agentrl.rollout.gateway import (
+    TURN_LIMIT_CODE,
     _ChatBody,
     _CompletionBody,
     build_gateway_app,
     build_upstream_body,
     derive_call_seed,
     extract_traces,
+    is_prompt_too_long,
+    refusal_reason,
     stream_chat,
     strip_response,
 )
 from agentrl.rollout.pool import RolloutPool
 from agentrl.rollout.traces import TraceStore, UnknownSessionError
-from agentrl.types import SamplingParams, Trace
+from agentrl.types import SamplingParams, TerminationReason, Trace
 
 TRAIN = SamplingParams(temperature=0.9, top_p=0.8, top_k=20, max_tokens=16, stop=["</answer>"], seed=7)
 MSG = [{"role": "user", "content": "hi"}]
@@ -230,3 +235,113 @@ def test_refused_requests_name_the_field(gateway_client) -> None:
     assert seen == []  # nothing reached the server
     r = _call(app, "POST", url, json={"messages": MSG, "model": "m", "min_tokens": 3, "ignore_eos": True})
     assert r.status_code == 200 and (seen[-1]["min_tokens"], seen[-1]["ignore_eos"]) == (3, True)
+
+
+VLLM_TOO_LONG = {
+    "error": {
+        "message": "This model's maximum context length is 256 tokens. However, your prompt contains 300 input "
+        "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
+        "prompt. (parameter=input_tokens, value=300)",
+        "type": "BadRequestError",
+        "param": "input_tokens",
+        "code": 400,
+    }
+}  # vLLM 0.32's answer (renderers/params.py `_token_len_check`)
+
+
+def _limited_gateway(answer, *, engine: str = "embedded", max_prompt_tokens: int | None = 4):
+    """A gateway with `max_prompt_tokens` in front of a server that answers `answer(body) -> (status, body)`."""
+    upstream = FastAPI()
+    seen: list[dict] = []
+
+    @upstream.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        seen.append(await request.json())
+        status, body = answer(seen[-1])
+        return JSONResponse(body, status_code=status)
+
+    pool = RolloutPool(["http://srv"], model_name="m", engine=engine, transport=httpx.ASGITransport(upstream))
+    store = TraceStore()
+    app = build_gateway_app(pool, store, sampling_train=TRAIN, max_prompt_tokens=max_prompt_tokens)
+    return app, store, seen
+
+
+def _embedded_answer(body: dict) -> tuple[int, dict]:
+    """Like the embedded server: refuses a prompt over `agentrl_max_prompt_tokens` (3 tokens here)."""
+    limit = body.get("agentrl_max_prompt_tokens")
+    if limit is not None and limit < 3:
+        message = f"messages: the prompt has 3 tokens, more than the {limit} allowed (data.max_prompt_length)"
+        return 400, build_error(message, "messages", 400, PROMPT_LIMIT_CODE)
+    return 200, _chat_response()
+
+
+@pytest.mark.parametrize(
+    ("engine", "answer", "limit"),
+    [
+        ("embedded", _embedded_answer, 2),  # the server refuses under the limit the gateway sends it
+        ("vllm", lambda body: (400, VLLM_TOO_LONG), 1000),  # vLLM's own context-length refusal, mapped
+        ("vllm", lambda body: (200, _chat_response()), 2),  # vLLM generated: refused after, no trace kept
+    ],
+    ids=["embedded", "vllm-context-length", "vllm-over-data.max_prompt_length"],
+)
+def test_a_prompt_over_the_limit_is_refused_with_its_code(engine, answer, limit) -> None:
+    app, store, seen = _limited_gateway(answer, engine=engine, max_prompt_tokens=limit)
+    sid = _call(app, "POST", "/sessions", json={}).json()["session_id"]
+    body = {"messages": MSG, "agentrl_max_prompt_tokens": 10_000}  # a client's value is never forwarded
+    r = _call(app, "POST", f"/sessions/{sid}/v1/chat/completions", json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "max_prompt_length_exceeded", r.text
+    assert error["type"] == "BadRequestError" and error["param"] in ("messages", "input_tokens")
+    assert seen[-1].get("agentrl_max_prompt_tokens") == (limit if engine == "embedded" else None)
+    assert store.refused_prompts(sid) == 1 and store.traces(sid) == []
+    assert refusal_reason(error["code"]) == TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED
+
+
+def test_a_prompt_within_the_limit_is_served_and_without_a_limit_nothing_is_sent() -> None:
+    app, store, seen = _limited_gateway(_embedded_answer, max_prompt_tokens=3)
+    sid = _call(app, "POST", "/sessions", json={}).json()["session_id"]
+    r = _call(app, "POST", f"/sessions/{sid}/v1/chat/completions", json={"messages": MSG})
+    assert r.status_code == 200 and seen[-1]["agentrl_max_prompt_tokens"] == 3
+    assert len(store.traces(sid)) == 1 and store.refused_prompts(sid) == 0
+    app, store, seen = _limited_gateway(_embedded_answer, max_prompt_tokens=None)  # `agentrl serve`
+    sid = _call(app, "POST", "/sessions", json={}).json()["session_id"]
+    body = {"messages": MSG, "agentrl_max_prompt_tokens": 1}
+    assert _call(app, "POST", f"/sessions/{sid}/v1/chat/completions", json=body).status_code == 200
+    assert "agentrl_max_prompt_tokens" not in seen[-1]
+
+
+def test_refusal_codes_map_to_termination_reasons_and_nothing_else_does() -> None:
+    assert refusal_reason(TURN_LIMIT_CODE) == TerminationReason.MAX_TURNS_EXCEEDED
+    assert refusal_reason(PROMPT_LIMIT_CODE) == TerminationReason.MAX_PROMPT_LENGTH_EXCEEDED
+    assert [refusal_reason(code) for code in (400, None, "invalid_value", ["x"])] == [None] * 4
+    assert is_prompt_too_long(VLLM_TOO_LONG) and not is_prompt_too_long(
+        {"error": {"param": "n", "code": 400}}
+    )
+    assert not is_prompt_too_long({"detail": "x"}) and not is_prompt_too_long(None)
+
+
+def test_errors_are_typed_as_vllm_types_them_and_top_logprobs_needs_logprobs(gateway_client) -> None:
+    app, _, seen = gateway_client
+    r = _call(app, "POST", "/sessions/nope/v1/chat/completions", json={"messages": MSG})
+    assert (r.status_code, r.json()["error"]["type"], r.json()["error"]["code"]) == (
+        404,
+        "NotFoundError",
+        404,
+    )
+    sid = _call(app, "POST", "/sessions", json={}).json()["session_id"]
+    url = f"/sessions/{sid}/v1/chat/completions"
+    r = _call(app, "POST", url, json={"messages": MSG, "n": 3})
+    assert (r.status_code, r.json()["error"]["type"], r.json()["error"]["code"]) == (
+        400,
+        "BadRequestError",
+        400,
+    )
+    r = _call(app, "POST", url, content=b"{not json")
+    assert r.json()["error"]["type"] == "BadRequestError"
+    r = _call(app, "POST", url, json={"messages": MSG, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    assert "logprobs" in r.json()["error"]["message"] and seen == []
+    r = _call(app, "POST", url, json={"messages": MSG, "logit_bias": "not a map"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    r = _call(app, "POST", url, json={"messages": MSG, "top_logprobs": 2, "logprobs": True})
+    assert r.status_code == 200 and len(seen) == 1
