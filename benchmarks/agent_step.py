@@ -85,6 +85,8 @@ OPTIONAL_METRICS = {
     "decode_tokens_per_s": ("perf/decode_tokens_per_s",),
     "continued_turns": ("gateway/continued_turns",),
     "continuation_fallbacks": ("gateway/continuation_fallbacks",),
+    "staleness_mean": ("async/staleness_mean",),
+    "staleness_max": ("async/staleness_max",),
 }
 """Row field -> the metric names it is read from, the first present winning (None when none is)."""
 FAILED_REASONS = ("error", "timeout", "max_prompt_length_exceeded")
@@ -377,6 +379,8 @@ COLUMNS = [
     ("tool wait", "tool_wait_share", 3),
     ("last prompt", "last_prompt_tokens", 0),
     ("failed", "failed_share", 3),
+    ("staleness mean", "staleness_mean", 2),
+    ("staleness max", "staleness_max", 0),
 ]
 
 

@@ -46,6 +46,7 @@ from agentrl.algorithms.losses import (
     compute_token_log_probs,
     compute_value_loss,
 )
+from agentrl.algorithms.rollout_correction import TIS_MODES, behaviour_weights
 from agentrl.algorithms.stepwise import (
     STEPWISE_MODES,
     StepAdvantageResult,
@@ -64,6 +65,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "REJECTION_MODES",
     "STEPWISE_MODES",
+    "TIS_MODES",
     "AdvantageResult",
     "KLPenaltyResult",
     "PolicyLossResult",
@@ -72,6 +74,7 @@ __all__ = [
     "ValueLossResult",
     "aggregate_loss",
     "apply_kl_penalty_to_rewards",
+    "behaviour_weights",
     "broadcast_advantages",
     "build_masked_reasons",
     "build_per_step_group_ids",

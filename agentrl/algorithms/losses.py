@@ -96,6 +96,7 @@ def compute_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     norm_length: int | None = None,
+    behaviour_weights: torch.Tensor | None = None,
 ) -> PolicyLossResult:
     """PPO clipped surrogate (Schulman et al. 2017) with clip-higher and dual clip.
 
@@ -107,6 +108,11 @@ def compute_policy_loss(
                                                   ratio has grown huge under a negative advantage)
     then `aggregate_loss(l, response_mask, loss_agg_mode)`. Setting clip_ratio_high above
     clip_ratio_low is DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476).
+
+    behaviour_weights: optional (B, T) off-policy correction (decoupled PPO): each token's l is multiplied
+    by its weight, detached, before aggregation; the clip still uses pi / pi_old. Built by
+    `agentrl.algorithms.rollout_correction.behaviour_weights`; None leaves the loss as it was. The
+    statistics (clipfrac, ppo_kl, ...) are not weighted.
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(
@@ -121,6 +127,12 @@ def compute_policy_loss(
     loss_dual_cap = -advantages * clip_ratio_c
     negative = advantages < 0
     loss_mat = torch.where(negative, torch.minimum(loss_ppo, loss_dual_cap), loss_ppo)
+    if behaviour_weights is not None:
+        if behaviour_weights.shape != loss_mat.shape:
+            raise ValueError(
+                f"behaviour_weights has shape {tuple(behaviour_weights.shape)}, expected {tuple(loss_mat.shape)}"
+            )
+        loss_mat = loss_mat * behaviour_weights.detach().to(loss_mat.dtype)
 
     loss = aggregate_loss(loss_mat, mask, loss_agg_mode, norm_length=norm_length)
     with torch.no_grad():

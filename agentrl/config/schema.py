@@ -75,6 +75,13 @@ class KLControlConfig(_Section):
     """Weight of the KL penalty subtracted from token rewards (use_kl_in_reward)."""
 
 
+class RolloutCorrectionConfig(_Section):
+    tis_mode: Literal["token", "sequence"] | None = None
+    """Off-policy correction: each token's policy-gradient loss is weighted by min(pi_old / pi_rollout, tis_cap), the engine's log-probs giving pi_rollout; `token` weighs each token, `sequence` each row by its tokens' product; null is off (docs/algorithms.md)."""
+    tis_cap: float = Field(2.0, gt=0.0)
+    """Truncation of the importance weight (tis_mode): a larger weight counts as tis_cap."""
+
+
 class AlgorithmConfig(_Section):
     adv_estimator: str = "grpo"
     """Advantage estimator: grpo, gae, reinforce, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo, or a registered name."""
@@ -90,6 +97,8 @@ class AlgorithmConfig(_Section):
     """KL estimator for the in-reward penalty."""
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     """In-reward KL coefficient."""
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+    """Truncated importance sampling against the rollout engine's log-probs (stale or mismatched tokens)."""
 
     @field_validator("adv_estimator")
     @classmethod
@@ -257,6 +266,15 @@ class SFTConfig(_Section):
     """Stop SFT after this many steps; null runs all epochs."""
 
 
+class AsyncTrainingConfig(_Section):
+    enable: bool = False
+    """Collect the next steps' rollouts while a step trains (docs/async.md)."""
+    staleness_threshold: int = Field(1, ge=0)
+    """Most policy versions a trained token may lag the weights it trains; 0 is the synchronous loop, exactly."""
+    partial_rollout: bool = True
+    """New weights reach the engines at once, between two decode steps, and episodes in flight go on with them; false waits for the batch being collected to end."""
+
+
 # ---------------------------------------------------------------------------------------------- root
 
 
@@ -279,6 +297,8 @@ class AgentRLConfig(_Section):
     """Device placement of the worker groups."""
     sft: SFTConfig = Field(default_factory=SFTConfig)
     """Optional supervised warm start."""
+    async_training: AsyncTrainingConfig = Field(default_factory=AsyncTrainingConfig)
+    """Asynchronous training: rollouts run ahead of training by a bounded number of policy versions."""
 
     @model_validator(mode="after")
     def _check_and_derive(self) -> AgentRLConfig:

@@ -45,6 +45,7 @@ from agentrl.training.metrics import (
     compute_validation_metrics,
     group_ids_of,
 )
+from agentrl.training.rollout_pipeline import RolloutPipeline, steps_to_request
 from agentrl.training.update.assembly import (
     TrainBatch,
     episodes_to_rows,
@@ -52,6 +53,7 @@ from agentrl.training.update.assembly import (
     write_step_advantages,
 )
 from agentrl.training.update.batch_advantages import compute_batch_advantages
+from agentrl.training.update.ppo_update import attach_behaviour_weights
 from agentrl.training.workers.critic_worker import CriticWorker
 from agentrl.training.workers.policy_worker import PolicyWorker
 from agentrl.training.workers.worker_group import LocalWorkerGroup, WorkerGroup
@@ -91,6 +93,24 @@ def _timer(timing: dict[str, float], name: str):
     start = time.perf_counter()
     yield
     timing[f"timing/{name}"] = time.perf_counter() - start
+
+
+def staleness_metrics(episodes: Sequence[Episode], served_version: int | None) -> dict[str, float]:
+    """How many policy versions the trained calls lag the weights they train: `async/staleness_mean` and
+    `async/staleness_max` over the kept episodes' calls (each call's version is its trace's: the weights its
+    request started with). Before the first update the newest version seen stands for the served one."""
+    versions = [
+        int(step.info["policy_version"])
+        for episode in episodes
+        for trajectory in episode.trajectories
+        for step in trajectory.steps
+        if "policy_version" in step.info
+    ]
+    if not versions:
+        return {}
+    current = max(versions) if served_version is None else served_version
+    lags = [max(0, current - v) for v in versions]
+    return {"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))}
 
 
 def rows_to_tasks(rows: Sequence[dict], prefix: str) -> list[Task]:
@@ -184,6 +204,9 @@ class Controller:
         self.stack = None
         self.tracker = None
         self.rollout_log = None
+        self.pipeline: RolloutPipeline | None = None
+        """Rollouts collected ahead of training (`async_training`); None in the synchronous loop."""
+        self.served_version: int | None = None
 
     # ---- setup ------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -253,21 +276,27 @@ class Controller:
             self.tracker.log(self.initial_val_metrics, step=0)
         bar = progress_bar("train", self.total_steps)
         bar.update(self.global_step)
+        self.pipeline = self.start_pipeline()
+        busy_before = self.policy.call("engine_counters")
+        turns = self.stack.backend.session_turns
         for step in range(self.global_step + 1, self.total_steps + 1):
             timing: dict[str, float] = {}
             with _timer(timing, "step"):
-                busy_before = self.policy.call("engine_counters")
-                turns = self.stack.backend.session_turns
                 continued, fallbacks = turns.continued, turns.fallback_count
                 with _timer(timing, "gen"):
-                    episodes, kept = self.collect_training_episodes()
-                timing.update(_engine_timing(busy_before, self.policy.call("engine_counters")))
+                    episodes, kept = self.next_training_episodes(step)
+                # Asynchronous: the engine worked on this batch while earlier steps trained, so its counters
+                # are read from one batch's end to the next.
+                busy_after = self.policy.call("engine_counters")
+                timing.update(_engine_timing(busy_before, busy_after))
+                busy_before = busy_after
                 timing["gateway/continued_turns"] = turns.continued - continued
                 timing["gateway/continuation_fallbacks"] = turns.fallback_count - fallbacks
                 metrics = {
                     "training/global_step": step,
                     "training/epoch": self.loader.epoch,
                     **compute_episode_metrics(episodes),
+                    **staleness_metrics(kept, self.served_version),
                 }
                 batch = self.assemble(kept, metrics)
                 if batch is not None:
@@ -295,17 +324,58 @@ class Controller:
             if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or step == self.total_steps:
                 self.save_checkpoint()
         bar.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
         return metrics
+
+    # ---- asynchronous training -------------------------------------------------------------------------
+    def start_pipeline(self) -> RolloutPipeline | None:
+        """The background collector when `async_training` runs ahead (staleness > 0); None otherwise: staleness
+        0 is the synchronous loop, exactly."""
+        run_ahead = self.config.async_training
+        if not (run_ahead.enable and run_ahead.staleness_threshold > 0):
+            return None
+        self._requested_through = self.global_step
+        return RolloutPipeline(self.collect_training_episodes, partial_rollout=run_ahead.partial_rollout)
+
+    def is_boundary(self, step: int) -> bool:
+        """A step after which the loop checkpoints or validates: no rollout may be in flight past it."""
+        cfg = self.config.trainer
+        saves = (cfg.save_freq > 0 and step % cfg.save_freq == 0) or step == self.total_steps
+        validates = cfg.test_freq > 0 and step % cfg.test_freq == 0 and bool(self.val_tasks)
+        return saves or validates
+
+    def next_training_episodes(self, step: int) -> tuple[list[Episode], list[Episode]]:
+        """This step's episodes: collected now, or taken from the pipeline, which is then asked for the batches
+        of the next steps (up to `staleness_threshold` ahead, not past a checkpoint or validation step), so they
+        are collected while this step trains."""
+        if self.pipeline is None:
+            return self.collect_training_episodes()
+        if self._requested_through < step:
+            self.pipeline.request()
+            self._requested_through = step
+        batch = self.pipeline.take()
+        staleness = self.config.async_training.staleness_threshold
+        for ahead in steps_to_request(step, self.total_steps, staleness, self.is_boundary):
+            if ahead > self._requested_through:
+                self.pipeline.request()
+                self._requested_through = ahead
+        return batch
 
     def update(self, batch: TrainBatch, timing: dict[str, float]) -> dict[str, float]:
         """Log-probs, values, advantages, critic and actor updates, weight sync; returns their metrics."""
         cfg = self.config
         metrics: dict[str, float] = {}
-        self.policy.call("sleep_rollout")
+        if self.pipeline is None:  # the engine keeps generating while an asynchronous step trains
+            self.policy.call("sleep_rollout")
         balance = cfg.actor_rollout_ref.actor.use_dynamic_bsz
         if self.needs_old_log_probs():
             with _timer(timing, "old_log_prob"):
                 batch.tensors.update(self.policy.dispatch("compute_log_prob", batch, balance_tokens=balance))
+        if "old_log_probs" in batch.tensors:  # rollout_corr/* metrics; behaviour weights when tis_mode is set
+            correction = cfg.algorithm.rollout_correction
+            metrics.update(attach_behaviour_weights(batch, correction.tis_mode, correction.tis_cap))
         if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             with _timer(timing, "ref"):
                 batch["ref_log_probs"] = self.policy.dispatch(
@@ -342,9 +412,13 @@ class Controller:
                 metrics.update(self.critic.dispatch("update_critic", batch, balance_tokens=balance))
         with _timer(timing, "update_actor"):
             metrics.update(self.policy.dispatch("update_actor", batch, balance_tokens=balance))
-        self.policy.call("wake_rollout")
+        if self.pipeline is None:
+            self.policy.call("wake_rollout")
         with _timer(timing, "sync_weights"):
-            metrics.update(self.policy.call_first("sync_weights"))
+            push = lambda: self.policy.call_first("sync_weights")  # noqa: E731
+            synced = self.pipeline.push_weights(push) if self.pipeline is not None else push()
+            metrics.update(synced)
+            self.served_version = int(synced.get("rollout/policy_version", 0))
         metrics.update(compute_batch_metrics(batch))
         return metrics
 
@@ -354,7 +428,9 @@ class Controller:
         cfg = self.config
         actor = cfg.actor_rollout_ref.actor
         one_mini = actor.ppo_mini_batch_size >= cfg.data.train_batch_size
-        return not (actor.ppo_epochs == 1 and one_mini and not cfg.algorithm.use_kl_in_reward)
+        on_policy = actor.ppo_epochs == 1 and one_mini and not cfg.algorithm.use_kl_in_reward
+        # the behaviour weights of off-policy correction are pi_old / pi_rollout: they need pi_old before the update
+        return not on_policy or cfg.algorithm.rollout_correction.tis_mode is not None
 
     # ---- rollouts ---------------------------------------------------------------------------------
     def next_tasks(self, prefix: str = "train") -> list[Task]:
@@ -498,6 +574,9 @@ class Controller:
     def close(self, status: str = "FINISHED") -> None:
         """Stop servers and workers and end the tracked run as `status` (FINISHED, FAILED, KILLED);
         safe to call more than once."""
+        if self.pipeline is not None:  # a run that failed mid-step: no rollout outlives it
+            self.pipeline.close()
+            self.pipeline = None
         for part in (self.stack, self.policy, self.critic, self.cluster):
             if part is not None:
                 part.shutdown()

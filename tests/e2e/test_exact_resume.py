@@ -152,16 +152,28 @@ def _with(command: list[str], *overrides: str) -> list[str]:
     return [c for c in command if c.split("=", 1)[0] not in keys] + list(overrides)
 
 
-def test_sigkill_after_a_logged_step_leaves_every_step_once(tmp_path):
+@pytest.mark.parametrize(
+    "mode",
+    [
+        [],
+        ["async_training.enable=true", "async_training.staleness_threshold=1"],
+    ],
+    ids=["sync", "async"],
+)
+def test_sigkill_after_a_logged_step_leaves_every_step_once(tmp_path, mode):
     """Killed (SIGKILL) in step 4 after step 3 was logged, checkpoint at 2: the rerun redoes step 3, and
-    metrics.jsonl, the rollout files and the MLflow run hold each step once (issue 27)."""
+    metrics.jsonl, the rollout files and the MLflow run hold each step once (issue 27). Asynchronous, step 4's
+    rollouts were already running when the kill came; the checkpoint at 2 had none in flight, so the rerun
+    collects steps 3 and 4 again and trains each once (issue 24)."""
     from mlflow.tracking import MlflowClient
 
     from agentrl.runs.rollout_files import read_rollouts, rollout_steps
 
     (tmp_path / "pausing.py").write_text(FLOW)
     run_dir = tmp_path / "run"
-    command = _with(_command(run_dir), "trainer.logger=[console,mlflow]", "trainer.rollout_trace_freq=1")
+    command = _with(
+        _command(run_dir), "trainer.logger=[console,mlflow]", "trainer.rollout_trace_freq=1", *mode
+    )
     # The flow waits once step 3's rollout file exists: step 4's rollouts wait, after step 3 is logged.
     env = {**os.environ, "PAUSE_WHEN": str(run_dir / "rollouts" / "step_000003.jsonl")}
     env.pop("MLFLOW_TRACKING_URI", None)

@@ -553,7 +553,8 @@ class SlotBatch:
             warm_up()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # thread_local: a trainer in another thread (asynchronous training) may use the GPU during a capture.
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             output = step()
         self.setup_s["graph_capture_s"] += time.perf_counter() - start
         return graph, output

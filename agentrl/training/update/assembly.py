@@ -77,7 +77,8 @@ class TrainBatch:
     num_steps: torch.Tensor
     """(B,) long: trainable steps in the row's trajectory (not rows: merged steps count one each)."""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Filled by the loop: old_log_probs, ref_log_probs, values, advantages, returns."""
+    """Filled by the loop: old_log_probs, ref_log_probs, values, advantages, returns, and behaviour_weights
+    (off-policy correction, `ppo_update.attach_behaviour_weights`) when algorithm.rollout_correction.tis_mode is set."""
     multi_modal_inputs: list[dict[str, torch.Tensor] | None] | None = None
     """Per row: `pixel_values` (patches, C*T*P*P) and `image_grid_thw` (images, 3) long, or None for a
     text row; None for a text-only batch."""

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from agentrl.algorithms.rollout_correction import behaviour_weights
 from agentrl.training.parallel.distributed import (
     all_reduce_max_dict,
     all_reduce_max_int,
@@ -34,12 +35,38 @@ log = logging.getLogger(__name__)
 
 MicroLoss = Callable[[TrainBatch], tuple[torch.Tensor, dict[str, float]]]
 
+BEHAVIOUR_WEIGHTS = "behaviour_weights"
+"""Key of the (B, L) off-policy correction weights in `TrainBatch.tensors` (`attach_behaviour_weights`)."""
+
 
 def loss_units(response_mask: torch.Tensor, loss_agg_mode: str) -> float:
     """What the loss averages over: response tokens (token-mean) or rows with a response token (seq-mean-*)."""
     if loss_agg_mode == "token-mean":
         return float(response_mask.sum())
     return float(response_mask.any(dim=-1).sum())
+
+
+def attach_behaviour_weights(batch: TrainBatch, tis_mode: str | None, tis_cap: float) -> dict[str, float]:
+    """Off-policy correction (`algorithm.rollout_correction`), once per step on the whole batch, before the update.
+
+    Needs `batch["old_log_probs"]` (the trainer's log-probs before the update). With `tis_mode` set, stores
+    the truncated importance weights min(pi_old / pi_rollout, tis_cap) as `batch["behaviour_weights"]` (B, L)
+    (`agentrl.algorithms.rollout_correction.behaviour_weights`): they are fixed through the update, micro-batches
+    cut them like every tensor, and the actor's loss passes them to `compute_policy_loss(behaviour_weights=...)`.
+    With `tis_mode` None nothing is stored. Returns the `rollout_corr/*` metrics of the whole batch either way
+    (the engine-vs-trainer mismatch; the weight statistics when `tis_mode` is set).
+    """
+    if "old_log_probs" not in batch.tensors:
+        raise ValueError(
+            "attach_behaviour_weights needs batch['old_log_probs']: compute the old log-probs first "
+            "(algorithm.rollout_correction.tis_mode needs them even for an on-policy update)"
+        )
+    weights, metrics = behaviour_weights(
+        batch["old_log_probs"], batch.rollout_log_probs, batch.response_mask, tis_mode, tis_cap
+    )
+    if weights is not None:
+        batch[BEHAVIOUR_WEIGHTS] = weights
+    return {key: float(value) for key, value in metrics.items()}
 
 
 def _zero_weight_micro(batch: TrainBatch, rows: torch.Tensor) -> TrainBatch:

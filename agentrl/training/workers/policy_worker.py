@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from agentrl.algorithms.kl import compute_kl_penalty
 from agentrl.algorithms.losses import aggregate_loss, compute_policy_loss
+from agentrl.algorithms.rollout_correction import behaviour_weights
 from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
 from agentrl.models.vision import apply_vision_tower_setting
 from agentrl.training.flops import device_peak_flops, mfu
@@ -39,7 +40,7 @@ from agentrl.training.parallel.model_state import (
 )
 from agentrl.training.update.assembly import TrainBatch
 from agentrl.training.update.forward import compute_log_probs
-from agentrl.training.update.ppo_update import run_ppo_updates
+from agentrl.training.update.ppo_update import BEHAVIOUR_WEIGHTS, run_ppo_updates
 
 if TYPE_CHECKING:
     from agentrl.config import AgentRLConfig
@@ -167,12 +168,14 @@ class PolicyWorker:
 
     def _engine_can_share_actor(self) -> bool:
         """Whether the embedded engine can serve the actor module itself (no second copy, nothing to copy after
-        an update): a whole module (not FSDP shards, not offloaded), without LoRA (the engine serves merged
+        an update): not while rollouts run ahead of training (asynchronous), and a whole module (not FSDP shards, not offloaded), without LoRA (the engine serves merged
         adapters), whose weights are in the served dtype on this device."""
         arr = self.config.actor_rollout_ref
         param = next(self.actor.parameters())
+        run_ahead = self.config.async_training
         return (
-            arr.rollout.name == "embedded"
+            not (run_ahead.enable and run_ahead.staleness_threshold > 0)  # it serves while the actor trains
+            and arr.rollout.name == "embedded"
             and not self.sharded
             and not is_lora_model(self.actor)
             and param.dtype == _DTYPES[arr.model.dtype]
@@ -298,6 +301,11 @@ class PolicyWorker:
             )
         # On-policy (one epoch, one mini-batch) the old policy is the current one: no separate forward.
         old = micro.tensors.get("old_log_probs")
+        weights = micro.tensors.get(BEHAVIOUR_WEIGHTS)
+        if weights is None and self.config.algorithm.rollout_correction.tis_mode is not None:
+            raise RuntimeError(
+                "algorithm.rollout_correction.tis_mode is set but the batch has no behaviour_weights"
+            )
         result = compute_policy_loss(
             log_probs,
             log_probs.detach() if old is None else old.to(self.device),
@@ -307,6 +315,7 @@ class PolicyWorker:
             clip_ratio_high=cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio,
             clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode,
+            behaviour_weights=None if weights is None else weights.to(self.device),
         )
         entropy_loss = aggregate_loss(entropy, mask, cfg.loss_agg_mode)
         loss = result.loss - cfg.entropy_coeff * entropy_loss
@@ -322,6 +331,8 @@ class PolicyWorker:
             stats.update(
                 _rollout_logprob_gap(log_probs.detach(), micro.rollout_log_probs.to(self.device), mask)
             )
+            _, mismatch = behaviour_weights(log_probs, micro.rollout_log_probs.to(self.device), mask, None)
+            stats.update({key: float(value) for key, value in mismatch.items()})
         if cfg.use_kl_loss:
             kl = compute_kl_penalty(log_probs, micro["ref_log_probs"].to(self.device), cfg.kl_loss_type)
             kl_loss = aggregate_loss(kl, mask, cfg.loss_agg_mode)

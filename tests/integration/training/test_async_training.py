@@ -1,0 +1,124 @@
+"""Asynchronous training on CPU: rollouts of the next steps run while a step trains, within the staleness bound."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from agentrl import AgentTrainer, agent_flow, evaluator
+from agentrl.data import sample_path
+from agentrl.runs.rollout_files import read_rollouts
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    with open(sample_path("arithmetic_train")) as f:
+        return [json.loads(line) for line in f][:16]
+
+
+@agent_flow
+async def two_turns_with_a_slow_tool(task, ctx):
+    """Two model calls with a tool wait between them, the second re-sending the history."""
+    messages = list(task["prompt"])
+    reply = await ctx.client.chat.completions.create(model=ctx.model, messages=messages)
+    await asyncio.sleep(0.05)
+    messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+    second = await ctx.client.chat.completions.create(model=ctx.model, messages=messages)
+    return second.choices[0].message.content or ""
+
+
+@evaluator
+def odd_length(task, episode):
+    """A score that varies between samples, so group advantages are not all zero."""
+    return float(len(episode.answer or "") % 2)
+
+
+def _train(run_dir: Path, rows, *extra: str) -> list[dict]:
+    overrides = [
+        "actor_rollout_ref.model.path=tiny:qwen2-mini",
+        "data.train_batch_size=2",
+        "data.shuffle=false",
+        "actor_rollout_ref.rollout.n=2",
+        "data.max_response_length=6",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=-1",
+        "trainer.logger=[console]",
+        f"trainer.default_local_dir={run_dir}",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "trainer.val_before_train=false",
+        *extra,
+    ]
+    random.seed(0)
+    AgentTrainer(
+        flow=two_turns_with_a_slow_tool, evaluator=odd_length, train_dataset=rows, config=overrides
+    ).train()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, filter(None, lines)) if "timing/step" in r]
+
+
+@pytest.mark.parametrize("partial_rollout", [True, False])
+def test_rollouts_run_ahead_by_at_most_the_staleness_threshold(tmp_path: Path, rows, partial_rollout):
+    history = _train(
+        tmp_path / "run",
+        rows,
+        "async_training.enable=true",
+        "async_training.staleness_threshold=1",
+        f"async_training.partial_rollout={str(partial_rollout).lower()}",
+    )
+    assert [r["step"] for r in history] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in history)
+    assert max(r["async/staleness_max"] for r in history) == 1.0  # batches really were collected a step ahead
+    assert all(r["async/staleness_max"] <= 1.0 for r in history)
+    versions = [
+        step["policy_version"]
+        for step_number in (2, 3, 4)
+        for record in read_rollouts(tmp_path / "run", step=step_number)
+        for trajectory in record["trajectories"]
+        for step in trajectory["steps"]
+    ]
+    assert versions and all(isinstance(v, int) for v in versions)
+    if not partial_rollout:  # weights change only between batches: one version per step's episodes
+        for step_number in (2, 3, 4):
+            seen = {
+                step["policy_version"]
+                for record in read_rollouts(tmp_path / "run", step=step_number)
+                for trajectory in record["trajectories"]
+                for step in trajectory["steps"]
+            }
+            assert len(seen) == 1, seen
+
+
+def test_staleness_zero_is_the_synchronous_loop(tmp_path: Path, rows):
+    sync = _train(tmp_path / "sync", rows)
+    zero = _train(
+        tmp_path / "zero", rows, "async_training.enable=true", "async_training.staleness_threshold=0"
+    )
+    for a, b in zip(sync, zero, strict=True):
+        assert a["actor/pg_loss"] == b["actor/pg_loss"] and a["actor/grad_norm"] == b["actor/grad_norm"]
+        assert a["async/staleness_max"] == b["async/staleness_max"] == 0.0
+
+
+def test_stale_batches_train_with_truncated_importance_weights(tmp_path: Path, rows):
+    history = _train(
+        tmp_path / "run",
+        rows,
+        "async_training.enable=true",
+        "async_training.staleness_threshold=1",
+        "algorithm.rollout_correction.tis_mode=token",
+        "algorithm.rollout_correction.tis_cap=2.0",
+    )
+    assert max(r["async/staleness_max"] for r in history) == 1.0
+    for record in history:
+        assert 0.0 < record["rollout_corr/is_weight_mean"] <= record["rollout_corr/is_weight_max"] <= 2.0
+        assert math.isfinite(record["rollout_corr/kl_k3"]) and math.isfinite(record["actor/pg_loss"])
+    # Weights changed between the engine's sampling and the update: the stale tokens' ratios are not all 1.
+    assert max(abs(r["rollout_corr/log_ratio_mean"]) for r in history) > 1e-6
