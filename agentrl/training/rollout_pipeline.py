@@ -66,15 +66,16 @@ class RolloutPipeline(Generic[T]):
         with self._batch_lock:
             return push()
 
-    def close(self) -> None:
-        """Stop after the batch in collection; batches not started are cancelled."""
+    def close(self, wait_s: float = 30.0) -> None:
+        """Cancel the batches not started and wait up to `wait_s` for the one in collection (after a failure
+        the rollout servers stop next, which ends it)."""
         with self._cond:
             self._closed = True
             for future in self._queue:
                 future.cancel()
             self._queue.clear()
             self._cond.notify()
-        self._thread.join(timeout=600)
+        self._thread.join(timeout=wait_s)
 
     def _run(self) -> None:
         while True:
