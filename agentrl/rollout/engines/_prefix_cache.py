@@ -88,6 +88,10 @@ class PrefixCache:
         self._hashes.clear()
         return slots
 
+    def _most_recent(self, slots: set[int]) -> int:
+        """The most recently used of `slots` (one pass over the parked order, not one per slot)."""
+        return next(slot for slot in reversed(self._parked) if slot in slots)
+
     def longest(self, prompt: list[int]) -> PrefixMatch | None:
         """The parked slot sharing the longest prefix with `prompt`, leaving at least one prompt token to
         compute (its logits start the answer); None below one block."""
@@ -96,7 +100,7 @@ class PrefixCache:
             holders = self._slots_by_hash.get(hashes[blocks - 1])
             if not holders:
                 continue
-            slot = max(holders, key=list(self._parked).index) if len(holders) > 1 else next(iter(holders))
+            slot = next(iter(holders)) if len(holders) == 1 else self._most_recent(holders)
             tokens = self._parked[slot]
             length = blocks * BLOCK_TOKENS
             if tokens[:length] != prompt[:length]:  # a hash collision: never reuse what does not match

@@ -37,3 +37,12 @@ def test_eviction_is_least_recently_used_and_spares_protected_slots():
     assert cache.evict(protected=set()) == 1
     assert len(cache) == 1 and cache.longest([1] * 25) is None
     assert cache.clear() == [0] and cache.longest([0] * 25) is None
+
+
+def test_of_several_slots_holding_a_prefix_the_most_recently_used_is_chosen():
+    cache = PrefixCache()
+    for slot in (4, 7, 9):
+        cache.park(slot, list(range(20)) + [100 + slot])
+    assert cache.longest(list(range(20)) + [500]).slot == 9  # parked last
+    cache.longest(list(range(20)) + [107, 1])  # slot 7 used since
+    assert cache.longest(list(range(20)) + [500]).slot == 7
