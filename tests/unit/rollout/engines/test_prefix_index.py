@@ -41,8 +41,9 @@ def test_eviction_is_least_recently_used_and_spares_protected_slots():
 
 def test_of_several_slots_holding_a_prefix_the_most_recently_used_is_chosen():
     cache = PrefixCache()
-    for slot in (4, 7, 9):
-        cache.park(slot, list(range(20)) + [100 + slot])
-    assert cache.longest(list(range(20)) + [500]).slot == 9  # parked last
-    cache.longest(list(range(20)) + [107, 1])  # slot 7 used since
-    assert cache.longest(list(range(20)) + [500]).slot == 7
+    for slot in (4, 7, 9):  # one shared block, then a block of each slot's own
+        cache.park(slot, list(range(16)) + [100 + slot] * 16)
+    shared_only = list(range(16)) + [500] * 5
+    assert cache.longest(shared_only).slot == 9  # parked last
+    assert cache.longest(list(range(16)) + [107] * 16 + [1]).slot == 7  # slot 7 used since
+    assert cache.longest(shared_only).slot == 7
