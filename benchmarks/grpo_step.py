@@ -3,12 +3,16 @@
 Both train the same model folder on the same prompts: `--prompts` prompts per step x `--n` answers of exactly
 `--max-tokens` tokens (EOS masked: agentrl's `actor_rollout_ref.rollout.ignore_eos`, TRL's
 `generation_kwargs={"min_new_tokens": ...}`), temperature 1, one optimizer step per step, no KL term, gradient
-checkpointing on (TRL's default), the model's dtype for weights and compute. The reward is a deterministic
+checkpointing on (TRL's default; `--gradient-checkpointing off` turns it off on both sides), the model's dtype for
+weights and compute; `--lora-rank R` trains LoRA adapters of rank R (alpha 2R) on every linear layer on both sides. The reward is a deterministic
 function of the answer's text, so groups have non-zero advantages and both really update.
 
 Each A/B round runs each trainer in its own subprocess (so peak memory is its own) for `--steps` steps; the
 first step of every run is warm-up and left out. Reported per trainer: median step time, its generation and
-training parts, generated tokens/s, peak memory, and the ratio TRL / agentrl (above 1: agentrl is faster).
+training parts, generated tokens/s, peak memory, time to the end of the first step from the trainer's
+construction (model load, compilation and graph capture included: the cold start), and the ratio TRL / agentrl
+(above 1: agentrl is faster). `--memory-phases` also prints agentrl's peak GPU memory per worker call
+(`benchmarks/memory_phases.py`).
 
     python benchmarks/grpo_step.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16 --device cuda   # GPU
     python benchmarks/grpo_step.py --model tiny:qwen2 --dtype float32 --device cpu \\
@@ -24,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -45,11 +50,24 @@ def _peak_gib(device: str) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
 
 
+def _first_line_time(path: Path, start: float, stop: threading.Event, found: list[float]) -> None:
+    """Seconds from `start` until `path` holds a line (agentrl's first step written to metrics.jsonl)."""
+    while not stop.is_set():
+        if path.exists() and path.read_text().strip():
+            found.append(time.perf_counter() - start)
+            return
+        time.sleep(0.05)
+
+
 def run_agentrl(args: argparse.Namespace) -> dict:
     from agentrl import AgentTrainer, EvalOutput, SingleTurnChatFlow, evaluator
 
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
+    if args.memory_phases:
+        from memory_phases import record_worker_phases
+
+        record_worker_phases()
 
     @evaluator
     def score(task, episode):
@@ -67,7 +85,9 @@ def run_agentrl(args: argparse.Namespace) -> dict:
         overrides = [
             f"actor_rollout_ref.model.path={args.model}",
             f"actor_rollout_ref.model.dtype={args.dtype}",
-            "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+            f"actor_rollout_ref.model.enable_gradient_checkpointing={args.gradient_checkpointing == 'on'}",
+            f"actor_rollout_ref.model.lora_rank={args.lora_rank}",
+            f"actor_rollout_ref.model.lora_alpha={2 * max(args.lora_rank, 1)}",
             f"trainer.device={args.device}",
             f"data.train_batch_size={args.prompts}",
             f"actor_rollout_ref.rollout.n={args.n}",
@@ -85,10 +105,20 @@ def run_agentrl(args: argparse.Namespace) -> dict:
             "trainer.save_freq=-1",
             "trainer.logger=[console]",
             f"trainer.default_local_dir={run_dir}",
+            *args.extra,
         ]
+        first_step: list[float] = []
+        stop = threading.Event()
+        watcher = threading.Thread(
+            target=_first_line_time,
+            args=(Path(run_dir) / "metrics.jsonl", time.perf_counter(), stop, first_step),
+            daemon=True,
+        )
+        watcher.start()
         AgentTrainer(flow=SingleTurnChatFlow(), evaluator=score, train_dataset=rows, config=overrides).train()
+        stop.set()
         history = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in history if "timing/step" in r][1:]
+    first, *steps = [r for r in history if "timing/step" in r]
     empty = [r.get("step") for r in steps if "response_length/mean" not in r]
     if empty:  # every episode of the step failed (a timeout, a dead engine): nothing was generated to time
         sys.exit(f"agentrl: steps {empty} trained nothing; the run's 'rollout ... failed' warnings say why")
@@ -102,9 +132,13 @@ def run_agentrl(args: argparse.Namespace) -> dict:
         "engine_counts": {k[len("perf/engine_") :]: [r.get(k) for r in steps] for k in counts},
         "step_s": [r["timing/step"] for r in steps],
         "gen_s": [r["timing/gen"] for r in steps],
+        "update_s": [r.get("timing/update_actor", 0.0) for r in steps],
         "tokens": tokens,
         "peak_gib": max(r.get("perf/max_memory_allocated_gb", 0.0) for r in history)
         or _peak_gib(args.device),
+        "first_step_s": first_step[0] if first_step else float("nan"),
+        # The first update's figures, for parity between runs that differ only in where they ran (scale.py).
+        "first_update": {k: first.get(k) for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy")},
     }
 
 
@@ -122,6 +156,8 @@ def run_trl(args: argparse.Namespace) -> dict:
         [{"prompt": [{"role": "user", "content": q}]} for q in _prompts(args.prompts * args.steps)]
     )
     step_s: list[float] = []
+    constructed = time.perf_counter()
+    first_step: list[float] = []
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
@@ -131,6 +167,8 @@ def run_trl(args: argparse.Namespace) -> dict:
             if args.device == "cuda":
                 torch.cuda.synchronize()
             step_s.append(time.perf_counter() - self.start)
+            if not first_step:
+                first_step.append(time.perf_counter() - constructed)
 
     def reward(completions, **_kwargs):
         return [text_reward(c[0]["content"] if isinstance(c, list) else c) for c in completions]
@@ -154,7 +192,7 @@ def run_trl(args: argparse.Namespace) -> dict:
             report_to="none",
             bf16=args.dtype == "bfloat16",
             use_cpu=args.device == "cpu",
-            gradient_checkpointing=True,
+            gradient_checkpointing=args.gradient_checkpointing == "on",
             model_init_kwargs={"dtype": args.dtype},
             shuffle_dataset=False,
             seed=1,
@@ -165,6 +203,7 @@ def run_trl(args: argparse.Namespace) -> dict:
             args=config,
             train_dataset=dataset,
             processing_class=tokenizer,
+            peft_config=_trl_lora(args.lora_rank),
         )
         gen_s: list[float] = []
         generate = trainer._generate
@@ -189,7 +228,19 @@ def run_trl(args: argparse.Namespace) -> dict:
         "gen_s": gen_s[1:],
         "tokens": [length * rows for length in lengths][1:],
         "peak_gib": _peak_gib(args.device),
+        "first_step_s": first_step[0] if first_step else float("nan"),
     }
+
+
+def _trl_lora(rank: int):
+    """The LoRA agentrl trains with `lora_rank=rank`: every linear layer but the head, alpha 2 x rank."""
+    if rank == 0:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"
+    )
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -203,6 +254,7 @@ def summarise(runs: list[dict]) -> dict:
         "train_s": round(statistics.median(step) - median_gen, 3),
         "gen_tokens_per_s": round(statistics.median(tokens) / median_gen, 1),
         "peak_gib": round(max(r["peak_gib"] for r in runs), 2),
+        "first_step_s": round(statistics.median(r["first_step_s"] for r in runs), 2),
         "steps_measured": len(step),
     }
 
@@ -227,15 +279,24 @@ def main() -> None:
         type=float,
         help="agentrl: Python's GIL switch interval in seconds (default 0.005)",
     )
+    parser.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on", help="both trainers")
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="LoRA adapters of this rank on both sides (0: off)"
+    )
+    parser.add_argument(
+        "--memory-phases", action="store_true", help="agentrl: peak GPU memory per worker call"
+    )
+    parser.add_argument("--extra", nargs="*", default=[], help="more agentrl overrides (key=value)")
+    parser.add_argument("--trainers", nargs="+", choices=["agentrl", "trl"], default=["agentrl", "trl"])
     parser.add_argument("--only", choices=["agentrl", "trl"], help="internal: run one trainer, print JSON")
     args = parser.parse_args()
     if args.only:
         result = run_agentrl(args) if args.only == "agentrl" else run_trl(args)
         print("RESULT " + json.dumps(result), flush=True)
         return
-    runs: dict[str, list[dict]] = {"agentrl": [], "trl": []}
+    runs: dict[str, list[dict]] = {name: [] for name in args.trainers}
     for round_index in range(args.rounds):
-        for name in ("agentrl", "trl") if round_index % 2 == 0 else ("trl", "agentrl"):
+        for name in args.trainers if round_index % 2 == 0 else args.trainers[::-1]:
             command = [sys.executable, __file__, *sys.argv[1:], "--only", name]
             done = subprocess.run(command, capture_output=True, text=True)
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -243,20 +304,26 @@ def main() -> None:
                 sys.exit(f"{name} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
             runs[name].append(json.loads(lines[-1][len("RESULT ") :]))
             print(f"round {round_index + 1}: {name} steps {[round(s, 2) for s in runs[name][-1]['step_s']]}")
+            print("\n".join(line for line in done.stdout.splitlines() if line.startswith("MEMORY ")))
     table = {name: summarise(r) for name, r in runs.items()}
     print(
         f"{args.model} {args.dtype} on {args.device}: {args.prompts} prompts x {args.n} answers x {args.max_tokens}"
     )
-    print(f"{'':10} {'step s':>8} {'gen s':>8} {'train s':>8} {'gen tok/s':>10} {'peak GiB':>9}")
+    print(
+        f"{'':10} {'step s':>8} {'gen s':>8} {'train s':>8} {'gen tok/s':>10} {'peak GiB':>9} {'first s':>8}"
+    )
     for name, row in table.items():
         print(
             f"{name:10} {row['step_s']:>8.2f} {row['gen_s']:>8.2f} {row['train_s']:>8.2f} "
-            f"{row['gen_tokens_per_s']:>10.0f} {row['peak_gib']:>9.1f}"
+            f"{row['gen_tokens_per_s']:>10.0f} {row['peak_gib']:>9.1f} {row['first_step_s']:>8.1f}"
         )
-    ratio = {k: round(table["trl"][k] / table["agentrl"][k], 2) for k in ("step_s", "gen_s", "train_s")}
-    print(f"TRL / agentrl time (above 1: agentrl faster): {ratio}")
-    print(f"agentrl step parts (median s, last run): {runs['agentrl'][-1]['parts_s']}")
-    print(f"agentrl engine counts per step (last run): {runs['agentrl'][-1]['engine_counts']}")
+    ratio = {}
+    if set(table) == {"agentrl", "trl"}:
+        ratio = {k: round(table["trl"][k] / table["agentrl"][k], 2) for k in ("step_s", "gen_s", "train_s")}
+        print(f"TRL / agentrl time (above 1: agentrl faster): {ratio}")
+    if "agentrl" in runs:
+        print(f"agentrl step parts (median s, last run): {runs['agentrl'][-1]['parts_s']}")
+        print(f"agentrl engine counts per step (last run): {runs['agentrl'][-1]['engine_counts']}")
     print(json.dumps({"table": table, "ratio_trl_over_agentrl": ratio}))
 
 

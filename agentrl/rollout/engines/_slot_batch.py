@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agentrl.models.compile_cache import use_compile_cache
 from agentrl.rollout.engines._prefix_cache import PrefixCache
 from agentrl.rollout.engines._sampling import as_int64, sample_on_device
 from agentrl.rollout.engines._slot_decode import KVShape, decode_step, extend_step, prefill_slots
@@ -127,7 +128,10 @@ class SlotBatch:
         self.max_model_len = max_model_len
         self.device = next(model.parameters()).device
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self._decode_step = _compiled_decode_step() if compile_decode and self.cuda_graphs else decode_step
+        self._decode_step = decode_step
+        if compile_decode and self.cuda_graphs:
+            use_compile_cache(model.config, next(model.parameters()).dtype, self.device)
+            self._decode_step = _compiled_decode_step()
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0

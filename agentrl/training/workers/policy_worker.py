@@ -25,6 +25,7 @@ from agentrl.algorithms.kl import compute_kl_penalty
 from agentrl.algorithms.losses import aggregate_loss, compute_policy_loss
 from agentrl.algorithms.rollout_correction import behaviour_weights
 from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
+from agentrl.models.compile_cache import use_compile_cache
 from agentrl.models.vision import apply_vision_tower_setting
 from agentrl.training.flops import device_peak_flops, mfu
 from agentrl.training.lora import adapters_disabled, apply_lora, is_lora_model
@@ -83,6 +84,8 @@ class PolicyWorker:
         )
         self.generator = torch.Generator().manual_seed(config.trainer.seed)
         self.rollout = None
+        if self.device.type == "cuda" and (arr.actor.use_torch_compile or arr.rollout.compile_decode):
+            use_compile_cache(self.actor.config, _DTYPES[arr.model.dtype], self.device)  # before anything compiles
 
     def _load_policy(self, *, trainable: bool, offload: bool) -> torch.nn.Module:
         """The policy from `model.path`: whole on this device, or FSDP2-sharded over the worker group.
