@@ -368,7 +368,8 @@ class Controller:
         cfg = self.config
         metrics: dict[str, float] = {}
         if self.pipeline is None:  # the engine keeps generating while an asynchronous step trains
-            self.policy.call("sleep_rollout")
+            with _timer(timing, "sleep_rollout"):
+                self.policy.call("sleep_rollout")
         balance = cfg.actor_rollout_ref.actor.use_dynamic_bsz
         if self.needs_old_log_probs():
             with _timer(timing, "old_log_prob"):
@@ -413,7 +414,8 @@ class Controller:
         with _timer(timing, "update_actor"):
             metrics.update(self.policy.dispatch("update_actor", batch, balance_tokens=balance))
         if self.pipeline is None:
-            self.policy.call("wake_rollout")
+            with _timer(timing, "wake_rollout"):
+                self.policy.call("wake_rollout")
         with _timer(timing, "sync_weights"):
             push = lambda: self.policy.call_first("sync_weights")  # noqa: E731
             synced = self.pipeline.push_weights(push) if self.pipeline is not None else push()

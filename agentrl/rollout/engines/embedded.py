@@ -110,6 +110,8 @@ class EmbeddedEngine:
         are computed once. `prefill_chunk_tokens`: the most prompt tokens one prefill forward computes."""
         self.model = model.eval()
         self.owns_weights = owns_weights
+        self._host_weights: dict[str, torch.Tensor] | None = None
+        """Pinned host copies of the weights while asleep (`_offload_weights`)."""
         self.draw_on_device = draw_on_device
         self.image_processor = image_processor
         if image_processor is None and is_vision_language(model):
@@ -677,17 +679,48 @@ class EmbeddedEngine:
             self._batch.clear()
             if self._device.type == "cuda":
                 if self.owns_weights:
-                    self.model.to("cpu")
+                    self._offload_weights()
                 torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
         """Undo `sleep`; requests that arrived meanwhile start now."""
         with self._between_steps():
             if self._device.type == "cuda" and self.owns_weights:
-                self.model.to(self._device)
+                self._reload_weights()
             with self._cond:
                 self._asleep = False
                 self._cond.notify()
+
+    def _offload_weights(self) -> None:
+        """Copy the weights into pinned host buffers (kept across sleeps) and free their device memory.
+
+        `model.to("cpu")` copied into fresh pageable memory every time: ~1 s a step for a 0.5B model under
+        LoRA, whose engine owns a copy; pinned buffers copy at the bus's speed."""
+        if self._host_weights is None:
+            self._host_weights = {
+                name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in self._weight_tensors()
+            }
+        for name, tensor in self._weight_tensors():
+            self._host_weights[name].copy_(tensor.data, non_blocking=True)
+        torch.cuda.synchronize(self._device)
+        for name, tensor in self._weight_tensors():
+            tensor.data = self._host_weights[name]
+
+    def _reload_weights(self) -> None:
+        for _, tensor in self._weight_tensors():
+            if tensor.device.type == "cpu":
+                tensor.data = tensor.data.to(self._device, non_blocking=True)
+        torch.cuda.synchronize(self._device)
+
+    def _weight_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Parameters and buffers, each tied tensor once."""
+        seen: set[int] = set()
+        tensors = []
+        for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                tensors.append((name, tensor))
+        return tensors
 
     @property
     def is_sleeping(self) -> bool:
