@@ -29,8 +29,8 @@ def synthetic_batch(rows: int, prompt_len: int, response_len: int, vocab: int, s
         items.append(
             TrainingRow(
                 input_ids=ids,
-                loss_mask=[0] * prompt_len + [1] * response_len,
-                rollout_logprobs=[0.0] * len(ids),
+                response_mask=[0] * prompt_len + [1] * response_len,
+                rollout_log_probs=[0.0] * len(ids),
                 reward=float(i % 2),
                 group_key=f"g{i // 8}",
                 trajectory_key=f"t{i}",

@@ -213,6 +213,21 @@ def _check_backend_devices(cfg: AgentRLConfig) -> list[str]:
     return []
 
 
+def _check_fsdp_size(cfg: AgentRLConfig) -> list[str]:
+    """fsdp_config.fsdp_size is -1 (shard over all ranks) or divides the worker group's devices (HSDP)."""
+    actor_devices = cfg.resource_pool_config.actor_rollout_gpus or _world_size(cfg)
+    sections = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size, actor_devices)]
+    if cfg.algorithm.adv_estimator == "gae":
+        critic_devices = cfg.resource_pool_config.critic_gpus or actor_devices
+        sections.append(("critic", cfg.critic.fsdp_config.fsdp_size, critic_devices))
+    return [
+        f"{prefix}.fsdp_config.fsdp_size={size} does not divide the {devices} devices of its worker group; "
+        f"choose one of {_divisors(devices)} (HSDP groups) or -1 (shard over all)"
+        for prefix, size, devices in sections
+        if size == 0 or (size < devices and devices % size)
+    ]
+
+
 def _check_resource_pool(cfg: AgentRLConfig) -> list[str]:
     """resource_pool_config.*_gpus, when set, are at most trainer.n_gpus_per_node x trainer.nnodes."""
     world = _world_size(cfg)
@@ -254,6 +269,7 @@ CROSS_FIELD_CHECKS: tuple[Callable[[AgentRLConfig], list[str]], ...] = (
     _check_model_len,
     _check_tensor_parallel,
     _check_backend_devices,
+    _check_fsdp_size,
     _check_resource_pool,
     _check_val_sampling,
 )

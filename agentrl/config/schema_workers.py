@@ -74,6 +74,8 @@ class ActorFSDPConfig(_Section):
     """Keep parameters on CPU between uses (saves device memory, costs time)."""
     optimizer_offload: bool = False
     """Keep optimizer state on CPU between steps."""
+    fsdp_size: int = Field(-1, ge=-1)
+    """Ranks that shard one copy of the model (verl's key): -1 shards over all ranks; a divisor of the worker count makes it HSDP (sharded within groups of that many ranks, replicated across them; n_gpus_per_node shards within a node)."""
 
 
 class ActorConfig(_Section):
@@ -116,7 +118,7 @@ class ActorConfig(_Section):
     shuffle: bool = True
     """Shuffle rows before splitting into mini-batches."""
     fsdp_config: ActorFSDPConfig = Field(default_factory=ActorFSDPConfig)
-    """Actor FSDP memory options."""
+    """Actor FSDP sharding and memory options."""
 
 
 class RefFSDPConfig(_Section):
@@ -247,4 +249,4 @@ class CriticConfig(_Section):
     grad_clip: float = Field(1.0, gt=0.0)
     """Max critic gradient norm."""
     fsdp_config: ActorFSDPConfig = Field(default_factory=ActorFSDPConfig)
-    """Critic FSDP memory options."""
+    """Critic FSDP sharding and memory options."""

@@ -168,6 +168,7 @@ def _step_record(step: Step, new_messages: list[dict[str, Any]], extends: bool) 
         "finish_reason": step.finish_reason,
         "policy_version": step.info.get("policy_version"),
         "latency_s": step.info.get("latency_s"),
+        "server": step.info.get("server"),
         "reward": step.reward,
         "advantage": step.advantage,
         "excluded": step.info.get("excluded"),

@@ -42,6 +42,7 @@ from agentrl.tracking import build_tracker, progress_bar, set_progress_postfix
 from agentrl.training.metrics import (
     compute_batch_metrics,
     compute_episode_metrics,
+    compute_routing_metrics,
     compute_validation_metrics,
     group_ids_of,
 )
@@ -143,6 +144,7 @@ def build_worker_groups(
     from agentrl.training.workers.ray_cluster import RayCluster
 
     cluster = RayCluster(cfg, device)
+    policy = critic = None
     try:
         pools = cfg.resource_pool_config
         policy_devices = pools.actor_rollout_gpus or cluster.world
@@ -151,14 +153,13 @@ def build_worker_groups(
         policy = cluster.worker_group(
             PolicyWorker, devices=policy_devices, share=share, name="policy", **kwargs
         )
-        policy.call("tokenizer_pad_id")  # wait until every rank is built; errors surface here
-        critic = None
         if gae:
             critic = cluster.worker_group(
                 CriticWorker, devices=critic_devices, share=share, name="critic", **kwargs
             )
-            critic.call("ready")
     except BaseException:
+        if policy is not None:  # a joined cluster outlives the run: leave no worker behind
+            policy.shutdown()
         cluster.shutdown()
         raise
     return policy, critic, cluster
@@ -278,6 +279,8 @@ class Controller:
         bar.update(self.global_step)
         self.pipeline = self.start_pipeline()
         busy_before = self.policy.call("engine_counters")
+        servers = self.stack.pool.servers
+        calls_before = [server.requests for server in servers]
         turns = self.stack.backend.session_turns
         for step in range(self.global_step + 1, self.total_steps + 1):
             timing: dict[str, float] = {}
@@ -290,6 +293,10 @@ class Controller:
                 busy_after = self.policy.call("engine_counters")
                 timing.update(_engine_timing(busy_before, busy_after))
                 busy_before = busy_after
+                calls_after = [server.requests for server in servers]
+                healthy = sum(server.healthy for server in servers)
+                timing.update(compute_routing_metrics(calls_before, calls_after, healthy))
+                calls_before = calls_after
                 timing["gateway/continued_turns"] = turns.continued - continued
                 timing["gateway/continuation_fallbacks"] = turns.fallback_count - fallbacks
                 metrics = {

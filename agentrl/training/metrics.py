@@ -103,3 +103,15 @@ def compute_batch_metrics(batch: TrainBatch) -> dict[str, float]:
         metrics["rollout/logprob_diff_mean"] = gap.mean().item()
         metrics["rollout/logprob_diff_max"] = gap.max().item()
     return metrics
+
+
+def compute_routing_metrics(before: Sequence[int], after: Sequence[int], healthy: int) -> dict[str, float]:
+    """How one step's model calls spread over the rollout servers (the pool's per-server request counters read
+    before and after it): `rollout/servers` (healthy ones), `rollout/server_requests_min` and `_max` (calls on
+    the least and the most used server). A max far above the min on equal servers means skewed routing."""
+    calls = [end - start for start, end in zip(before, after, strict=True)]
+    return {
+        "rollout/servers": float(healthy),
+        "rollout/server_requests_min": float(min(calls, default=0)),
+        "rollout/server_requests_max": float(max(calls, default=0)),
+    }

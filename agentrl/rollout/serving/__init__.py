@@ -29,16 +29,23 @@ def start_policy_serving(
     *,
     device: str,
     policy: torch.nn.Module | None = None,
+    host: str = "127.0.0.1",
 ) -> PolicyServing:
     """Start the engine `actor_rollout_ref.rollout.name` names, serving the weights at `model_path`.
 
     `policy`: the trainer's module, which the embedded engine then serves itself instead of loading a copy.
+    `host`: the address the server binds, loopback unless the controller runs on another node.
     """
     name = config.actor_rollout_ref.rollout.name
     if name == "embedded":
         from agentrl.rollout.serving.embedded import start_embedded_serving
 
-        return start_embedded_serving(model_path, tokenizer, config, device=device, policy=policy)
+        return start_embedded_serving(model_path, tokenizer, config, device=device, policy=policy, host=host)
+    if host != "127.0.0.1":
+        raise ValueError(
+            f"actor_rollout_ref.rollout.name={name}: its servers listen on loopback only, so they cannot serve a "
+            f"controller on another node (trainer.nnodes > 1); use rollout.name=embedded across nodes"
+        )
     if name == "vllm":
         from agentrl.rollout.serving.vllm import start_vllm_serving
 

@@ -71,9 +71,10 @@ def start_embedded_serving(
     *,
     device: str,
     policy: torch.nn.Module | None = None,
+    host: str = "127.0.0.1",
 ) -> EmbeddedServing:
-    """Start an engine and its server (`actor_rollout_ref.rollout.*`) over `policy`, the trainer's own module
-    (one copy of the weights for both), or over a serving copy loaded from `model_path` when None."""
+    """Start an engine and its server (`actor_rollout_ref.rollout.*`) on `host` over `policy`, the trainer's own
+    module (one copy of the weights for both), or over a serving copy loaded from `model_path` when None."""
     rollout = config.actor_rollout_ref.rollout
     model = policy
     if model is None:
@@ -99,7 +100,7 @@ def start_embedded_serving(
         max_n=rollout.max_n_per_request,
     )
     try:
-        server = start_server_in_thread(app)
+        server = start_server_in_thread(app, host=host)
     except Exception:
         engine.close()
         raise

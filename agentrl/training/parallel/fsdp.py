@@ -4,6 +4,12 @@
 so one layer's parameters are gathered at a time. On GPU with a low-precision `model.dtype` the master weights
 stay float32 and compute runs in that dtype, with gradients reduced in float32 (verl's default). Parameter
 offload keeps shards (and, with them, gradients and the optimizer step) on the CPU.
+
+`fsdp_size` (verl's `fsdp_config.fsdp_size`) picks the mesh: -1 (or the world size) shards every parameter over
+all ranks; a divisor of the world size makes it HSDP, a 2-D mesh (replicate, shard) whose rows are groups of
+`fsdp_size` consecutive ranks (one node's devices when it equals `trainer.n_gpus_per_node`): parameters are
+all-gathered and gradients reduce-scattered inside a group, and only the gradient shards are all-reduced across
+groups, so the slow links between nodes carry 1/fsdp_size of the model per step instead of the all-gathers.
 """
 
 from __future__ import annotations
@@ -23,16 +29,43 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def mesh_shape(world_size: int, fsdp_size: int) -> tuple[int, ...]:
+    """(world,) for plain FSDP (`fsdp_size` <= 0 or >= world), else (world // fsdp_size, fsdp_size) for HSDP."""
+    if fsdp_size <= 0 or fsdp_size >= world_size:
+        return (world_size,)
+    if world_size % fsdp_size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"fsdp_config.fsdp_size={fsdp_size} does not divide the {world_size} ranks of the worker group; "
+            f"choose one of {divisors} (or -1 to shard over all ranks)"
+        )
+    return (world_size // fsdp_size, fsdp_size)
+
+
+def build_mesh(device_type: str, fsdp_size: int = -1):
+    """The device mesh `fully_shard` shards over: 1-D ("fsdp") or, for HSDP, 2-D ("replicate", "fsdp")."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = mesh_shape(dist.get_world_size(), fsdp_size)
+    names = ("fsdp",) if len(shape) == 1 else ("replicate", "fsdp")
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
 def shard_model(
-    model: torch.nn.Module, *, compute_dtype: torch.dtype | None, offload: bool, device_type: str
+    model: torch.nn.Module,
+    *,
+    compute_dtype: torch.dtype | None,
+    offload: bool,
+    device_type: str,
+    fsdp_size: int = -1,
 ) -> torch.nn.Module:
-    """Apply FSDP2 in place (per decoder layer, then the root) over the default process group.
+    """Apply FSDP2 in place (per decoder layer, then the root) over the default process group; a 2-D mesh
+    (`fsdp_size` dividing the world) makes it HSDP.
 
     The mesh names the compute device explicitly: with parameter offload the model is loaded on the CPU, and
     a mesh inferred from there would run every forward on the CPU too.
     """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mixed = (
@@ -42,7 +75,7 @@ def shard_model(
     )
     # On a CPU mesh the shards already live in host memory: offloading them is a no-op (and pinning fails).
     policy = CPUOffloadPolicy() if offload and device_type != "cpu" else OffloadPolicy()
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    mesh = build_mesh(device_type, fsdp_size)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mixed, offload_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=mixed, offload_policy=policy)

@@ -55,13 +55,11 @@ class CriticWorker:
                 compute_dtype=_DTYPES[dtype] if mixed else None,
                 offload=offload,
                 device_type=self.device.type,
+                fsdp_size=critic_cfg.fsdp_config.fsdp_size,
             )
         self.optimizer = build_optimizer(self.model.parameters(), critic_cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, critic_cfg.optim, total_steps)
         self.generator = torch.Generator().manual_seed(config.trainer.seed + 1)
-
-    def ready(self) -> bool:
-        return True
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:

@@ -120,6 +120,7 @@ class PolicyWorker:
                 compute_dtype=compute_dtype if mixed else None,
                 offload=offload,
                 device_type=self.device.type,
+                fsdp_size=arr.actor.fsdp_config.fsdp_size,  # the reference shares the actor's mesh
             )
         return model
 
@@ -165,6 +166,7 @@ class PolicyWorker:
             self.config,
             device=str(self.device),
             policy=self.actor if self._engine_can_share_actor() else None,
+            host=_serving_host(self.config.trainer.nnodes),
         )
         self.sync_weights()
         return self.rollout.urls
@@ -405,6 +407,16 @@ class PolicyWorker:
         if self.rollout is not None:
             self.rollout.stop()
             self.rollout = None
+
+
+def _serving_host(nnodes: int) -> str:
+    """Where the rollout server listens: loopback on one node; across nodes, this node's address as Ray knows
+    it, since the controller's gateway may run on another node (nnodes > 1 implies the Ray backend)."""
+    if nnodes == 1:
+        return "127.0.0.1"
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 def _rollout_logprob_gap(

@@ -71,18 +71,40 @@ class LocalWorkerGroup(WorkerGroup):
 
 
 class WorkerHost:
-    """What runs inside each Ray actor: joins the process group, then builds the worker and serves calls."""
+    """What runs inside each Ray actor: names a rendezvous (rank 0), joins the process group, builds the
+    worker, then serves calls."""
 
-    def __init__(
-        self, worker_cls: type, rank: int, world_size: int, init_method: str, kwargs: dict[str, Any]
+    def __init__(self) -> None:
+        self.worker = None
+
+    def rendezvous(self) -> str:
+        """`tcp://<this node's IP>:<a free port>` for the group's store: rank 0 calls it, on its own node."""
+        import ray
+
+        return f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+
+    def node_id(self) -> str:
+        """The Ray node this rank runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def start(
+        self,
+        worker_cls: type,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        kwargs: dict[str, Any],
+        ranks_on_node: int,
     ) -> None:
         import torch
 
         from agentrl.training.parallel.distributed import init_worker_process_group
 
-        # Ray starts actors with OMP_NUM_THREADS=1; each rank gets its share of the host's cores instead (on GPU
+        # Ray starts actors with OMP_NUM_THREADS=1; each rank gets its share of its node's cores instead (on GPU
         # too: with parameter offload the optimizer step and gradient accumulation run on the CPU).
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
         init_worker_process_group(rank, world_size, init_method, kwargs.get("device", "cpu"))
         self.worker = worker_cls(**kwargs)
 
@@ -103,14 +125,17 @@ class RayWorkerError(RuntimeError):
 
 
 class RayWorkerGroup(WorkerGroup):
-    """One Ray actor per device on the bundles `bundle_indices` of `placement_group`."""
+    """One Ray actor per device, rank r on `bundles[r]` (a placement group and a bundle index in it).
+
+    Rank 0 names the rendezvous address from its own node, so the group forms across nodes; the group is
+    built (process group joined, worker constructed) when the constructor returns, or it raises naming the rank.
+    """
 
     def __init__(
         self,
         worker_cls: type,
         *,
-        placement_group: Any,
-        bundle_indices: list[int],
+        bundles: list[tuple[Any, int]],
         device_share: float,
         use_gpu: bool,
         name: str,
@@ -120,19 +145,34 @@ class RayWorkerGroup(WorkerGroup):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name = name
-        self.size = len(bundle_indices)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.size = len(bundles)
         host_cls = ray.remote(WorkerHost)
         self.actors = [
             host_cls.options(
                 num_cpus=device_share if not use_gpu else 0,
                 num_gpus=device_share if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group, placement_group_bundle_index=bundle
+                    placement_group=group, placement_group_bundle_index=index
                 ),
-            ).remote(worker_cls, rank, self.size, init_method, kwargs)
-            for rank, bundle in enumerate(bundle_indices)
+            ).remote()
+            for group, index in bundles
         ]
+        try:
+            [init_method] = self._wait("rendezvous", [self.actors[0].rendezvous.remote()])
+            on_node = [sum(other is group for other, _ in bundles) for group, _ in bundles]
+            starts = [
+                actor.start.remote(worker_cls, rank, self.size, init_method, kwargs, on_node[rank])
+                for rank, actor in enumerate(self.actors)
+            ]
+            self._wait("start", starts)
+        except BaseException:
+            for actor in self.actors:  # a joined cluster outlives this run: leave no actor behind
+                ray.kill(actor)
+            raise
+
+    def node_ids(self) -> list[str]:
+        """The Ray node of each rank, in rank order."""
+        return self._wait("node_id", [actor.node_id.remote() for actor in self.actors])
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self._wait(method, [actor.call.remote(method, *args, **kwargs) for actor in self.actors])
@@ -172,6 +212,7 @@ class RayWorkerGroup(WorkerGroup):
 
 
 def _free_port() -> int:
+    """A port free on every interface of this node at the time of the call."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))
         return sock.getsockname()[1]

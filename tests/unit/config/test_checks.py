@@ -105,6 +105,14 @@ from agentrl.config import validate_config
         ),
         ({"trainer.n_gpus_per_node": 2}, ["trainer.backend=local", "= 2", "trainer.backend=ray"]),
         (
+            {
+                "trainer.backend": "ray",
+                "trainer.n_gpus_per_node": 4,
+                "actor_rollout_ref.actor.fsdp_config.fsdp_size": 3,
+            },
+            ["actor_rollout_ref.actor.fsdp_config.fsdp_size=3 does not divide the 4 devices", "[1, 2, 4]"],
+        ),
+        (
             {"resource_pool_config.critic_gpus": 2},
             ["resource_pool_config.critic_gpus=2 is more than the 1 devices"],
         ),
@@ -142,6 +150,12 @@ def test_broken_rule_names_keys_and_fix(problems_for, dotted, fragments):
             "agent.stepwise_advantage.normalize_by_steps": True,
         },
         {"trainer.backend": "ray", "trainer.n_gpus_per_node": 2, "resource_pool_config.critic_gpus": 2},
+        {
+            "trainer.backend": "ray",
+            "trainer.n_gpus_per_node": 2,
+            "trainer.nnodes": 2,
+            "actor_rollout_ref.actor.fsdp_config.fsdp_size": 2,  # HSDP: shard within a node
+        },
         {
             "actor_rollout_ref.rollout.val_kwargs.do_sample": True,
             "actor_rollout_ref.rollout.val_kwargs.temperature": 0.7,
