@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+from agentrl.tracking.failures import record_failure
 from agentrl.types import Episode, EvalOutput, Task
 
 EVAL_METRIC_PREFIX = "eval/"
@@ -71,13 +72,16 @@ def score_episode(grader: Evaluator, task: Task, episode: Episode) -> Episode:
     """Fill the episode's reward and correctness; trajectory rewards the flow set are kept.
 
     A failing evaluator marks the episode with `metrics["evaluator_error"] = 1` and the error text, so the
-    controller can exclude it from training instead of training on an invented reward.
+    controller can exclude it from training instead of training on an invented reward; the console's line of
+    the step counts it (`tracking/failures.py`).
     """
     try:
         result = to_eval_output(grader.evaluate(task, episode))
     except Exception as exc:  # noqa: BLE001 - any evaluator bug costs this episode only
-        episode.error = (episode.error or "") + f"evaluator failed: {exc!r}\n{traceback.format_exc()}"
+        failed = f"evaluator failed: {exc!r}\n{traceback.format_exc()}"
+        episode.error = (episode.error or "") + failed
         episode.metrics["evaluator_error"] = 1.0
+        record_failure("evaluator_error", failed)
         return episode
     episode.reward = result.reward
     episode.is_correct = bool(result.is_correct)

@@ -2,19 +2,26 @@
 
 This is how a user tries an agent against the policy before training, and how tests drive the
 rollout stack from outside: point any OpenAI client at `{base}/sessions/{id}/v1` (any id: sessions
-open on first use here) and read `GET {base}/sessions/{id}/traces` for the exact tokens and logprobs.
+open on first use here) and read `GET {base}/sessions/{id}/traces` (with the admin token) for the exact tokens
+and logprobs.
 Everything it starts (engine threads, vLLM process groups, the gateway) stops on Ctrl-C or SIGTERM.
-The servers always listen on loopback; with `--host` off loopback, the gateway's session and trace
-routes need a bearer token (`--admin-token`, `$AGENTRL_ADMIN_TOKEN`, or one made and printed at start).
+The servers always listen on loopback. Admin routes (the gateway's sessions and traces, the servers' weights
+and sleep) need a bearer token on every bind: `--admin-token`, else `$AGENTRL_ADMIN_TOKEN`, else one made for
+this run. It is written to a file of mode 0600 (`--admin-token-file`, removed at exit) whose path is printed.
+Start-up errors (a port in use, a model that does not load) print one line and exit with status 2, like
+`agentrl train`; the port is checked before any model loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from agentrl.types import SamplingParams
@@ -32,7 +39,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--admin-token",
         default=None,
-        help="bearer token for session/trace routes (default: $AGENTRL_ADMIN_TOKEN; made per run off loopback)",
+        help="bearer token of the admin routes (default: $AGENTRL_ADMIN_TOKEN, else one made for this run)",
+    )
+    p.add_argument(
+        "--admin-token-file",
+        default=None,
+        help="where the token is written, mode 0600 (default: <--log-dir>/admin_token_<gateway port>)",
     )
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
     p.add_argument("--max-model-len", type=int, default=512)
@@ -53,8 +65,31 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _check_bind(host: str, port: int) -> str | None:
+    """Why the gateway could not listen on `host:port` (one line naming the flag), or None: checked before any
+    model loads, so a taken port costs no start-up time."""
+    if port == 0:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return (
+                    f"--port {port}: {host}:{port} is already in use; pick another --port, "
+                    "or leave it out for a free one"
+                )
+            return f"--host {host} --port {port}: cannot listen there ({error.strerror or error})"
+    return None
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:500] or type(error).__name__
+
+
 def _start_embedded(
-    model: str, args: argparse.Namespace, name: str, cleanup: list[Callable[[], Any]]
+    model: str, args: argparse.Namespace, name: str, token: str, cleanup: list[Callable[[], Any]]
 ) -> list[str]:
     from agentrl.rollout.app import build_server_app
     from agentrl.rollout.engines.embedded import build_embedded_engine
@@ -64,7 +99,9 @@ def _start_embedded(
     for _ in range(args.servers):
         engine = build_embedded_engine(model, dtype=args.dtype or "float32", max_model_len=args.max_model_len)
         cleanup.append(engine.close)
-        app = build_server_app(engine, engine.tokenizer, model_name=name, max_model_len=args.max_model_len)
+        app = build_server_app(
+            engine, engine.tokenizer, model_name=name, max_model_len=args.max_model_len, admin_token=token
+        )
         handle = start_server_in_thread(app)
         cleanup.append(handle.stop)
         urls.append(handle.url)
@@ -88,39 +125,60 @@ def _start_vllm(
 def main(argv: list[str] | None = None) -> int:
     """Start the servers and the gateway, print how to use them, block until Ctrl-C or SIGTERM."""
     from agentrl.models import resolve_model_path
+    from agentrl.models.loading import model_path_problem
+    from agentrl.rollout.admin_auth import resolve_admin_token, write_token_file
     from agentrl.rollout.gateway import Gateway
     from agentrl.rollout.pool import RolloutPool
 
     args = _parse_args(list(sys.argv[1:] if argv is None else argv))
+    if problem := model_path_problem(args.model, "--model") or _check_bind(args.host, args.port):
+        print(f"agentrl serve: {problem}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     cleanup: list[Callable[[], Any]] = []
     name = args.served_model_name or args.model
+    token = resolve_admin_token(args.admin_token)
     try:
-        model = resolve_model_path(args.model)
-        start = _start_vllm if args.engine == "vllm" else _start_embedded
-        servers = start(model, args, name, cleanup)
-        pool = RolloutPool(servers, model_name=name, engine=args.engine)
+        try:
+            model = resolve_model_path(args.model)
+            if args.engine == "vllm":
+                servers = _start_vllm(model, args, name, cleanup)
+            else:
+                servers = _start_embedded(model, args, name, token, cleanup)
+        except (OSError, ValueError) as error:
+            print(f"agentrl serve: --model {args.model}: {_one_line(error)}", file=sys.stderr)
+            return 2
+        except RuntimeError as error:  # a server that did not come up (vLLM: its log is named)
+            print(f"agentrl serve: {_one_line(error)}", file=sys.stderr)
+            return 1
+        pool = RolloutPool(servers, model_name=name, engine=args.engine, admin_token=token)
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
-        gateway = Gateway(
-            pool, sampling_train=sampling, allow_implicit_sessions=True, host=args.host, port=args.port,
-            admin_token=args.admin_token,
-        ).start()  # fmt: skip
+        try:
+            gateway = Gateway(
+                pool, sampling_train=sampling, allow_implicit_sessions=True, host=args.host, port=args.port,
+                admin_token=token,
+            ).start()  # fmt: skip
+        except OSError as error:  # taken between the check and now
+            print(f"agentrl serve: --port {args.port}: {_one_line(error)}", file=sys.stderr)
+            return 2
         cleanup.append(gateway.stop)
+        port = gateway.url.rsplit(":", 1)[1]
+        token_file = write_token_file(
+            args.admin_token_file or Path(args.log_dir) / f"admin_token_{port}", token
+        )
+        cleanup.append(lambda: token_file.unlink(missing_ok=True))
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         base = gateway.url
         print(
             f"agentrl serve: {args.servers} {args.engine} server(s) for {name} behind the gateway at {base}\n"
             f"  OpenAI base URL of session <id>:  {base}/sessions/<id>/v1   (model={name!r}; any id opens a session)\n"
-            f"  traces of session <id>:           GET {base}/sessions/<id>/traces\n"
+            f"  traces of session <id>:           GET {base}/sessions/<id>/traces   (an admin route)\n"
+            f"  admin token file (mode 0600):     {token_file}   (send 'Authorization: Bearer <its text>')\n"
             f"  health:                           GET {base}/health\n"
             f"  Ctrl-C stops everything.",
             flush=True,
         )
-        if gateway.admin_token:
-            print(
-                f"  admin token (traces, sessions):   Authorization: Bearer {gateway.admin_token}", flush=True
-            )
         while not stop.wait(0.5):
             pass
         print("agentrl serve: stopping", flush=True)

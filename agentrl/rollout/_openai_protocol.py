@@ -9,6 +9,7 @@ a completion response has `prompt_token_ids` and `token_ids` on every choice.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any, Literal
@@ -183,11 +184,14 @@ def top_logprobs_error(logprobs: bool | None, top_logprobs: int | None) -> str |
 
 
 def logit_bias_error(logit_bias: dict[str, float] | None, vocab_size: int) -> str | None:
-    """Why `logit_bias` cannot be served: a key that is not a token id, or an id outside [0, vocab_size)."""
+    """Why `logit_bias` cannot be served: a key that is not a token id, an id outside [0, vocab_size), or a bias
+    that is not a finite number (Python's JSON reads NaN; it would poison every sampled distribution)."""
     if not logit_bias:
         return None
     bad_keys = []
-    for key in logit_bias:
+    for key, bias in logit_bias.items():
+        if not math.isfinite(bias):
+            return f"the bias of token {key!r} is {bias}; a bias must be a finite number"
         try:
             if not 0 <= int(key) < vocab_size:
                 bad_keys.append(key)
@@ -208,6 +212,17 @@ ERROR_TYPES = {
     503: "ServiceUnavailableError",
 }
 """`error.type` by HTTP status: vLLM 0.32's names, which the embedded server and the gateway both use."""
+
+
+class RequestError(Exception):
+    """A request the server refuses; becomes an OpenAI error body with `param` naming the field (and `code`
+    a named reason where one exists, e.g. `PROMPT_LIMIT_CODE`)."""
+
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
 
 
 def build_error(

@@ -1,80 +1,75 @@
 """Who may call admin routes: weight updates, LoRA loads, sleep/wake, and the gateway's session control.
 
-A server bound to loopback only is reachable from this machine alone, so its admin routes stay open
-there (as before). One that binds any other address needs a bearer token: the caller's, else
-`$AGENTRL_ADMIN_TOKEN`, else a random one made for this run (`resolve_admin_token`). An app built
-without a token still answers admin calls from loopback clients only, and `start_server_in_thread`
-refuses to bind such an app to a non-loopback address, so open admin routes never face a network.
+Every bind needs the bearer token, loopback included: on a shared host every user's process is local. The
+token is the caller's, else `$AGENTRL_ADMIN_TOKEN`, else one made at random once per process
+(`process_admin_token`). Servers, gateways and pools built in the same process default to that one token, so
+the trainer's own clients carry it without being told; `agentrl serve` writes it to a file of mode 0600.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import secrets
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from starlette.requests import Request
 
 ADMIN_TOKEN_ENV = "AGENTRL_ADMIN_TOKEN"
 
-__all__ = ["ADMIN_TOKEN_ENV", "AdminAuthError", "admin_headers", "build_admin_guard", "is_loopback",
-           "resolve_admin_token"]  # fmt: skip
+__all__ = ["ADMIN_TOKEN_ENV", "AdminAuthError", "admin_headers", "build_admin_guard", "process_admin_token",
+           "resolve_admin_token", "write_token_file"]  # fmt: skip
+
+_PROCESS_TOKEN = secrets.token_urlsafe(32)
 
 
 class AdminAuthError(Exception):
-    """An admin call without the right token (401) or from off this machine with none configured (403)."""
+    """An admin call without a bearer token (401) or with the wrong one (403)."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.message, self.status = message, status
 
 
-def is_loopback(host: str) -> bool:
-    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+def process_admin_token() -> str:
+    """`$AGENTRL_ADMIN_TOKEN` when set, else this process's random token (the same for every call)."""
+    return os.environ.get(ADMIN_TOKEN_ENV) or _PROCESS_TOKEN
 
 
-def resolve_admin_token(host: str, token: str | None = None) -> str | None:
-    """The token the admin routes of an app bound to `host` require; None leaves them open to loopback.
-
-    `token`, else `$AGENTRL_ADMIN_TOKEN`, else a fresh random token when `host` is not loopback.
-    """
-    token = token or os.environ.get(ADMIN_TOKEN_ENV) or None
-    if token is None and not is_loopback(host):
-        token = secrets.token_urlsafe(32)
-    return token
+def resolve_admin_token(token: str | None = None) -> str:
+    """The token an app's admin routes require: `token`, else `process_admin_token()`."""
+    return token or process_admin_token()
 
 
-def admin_headers(token: str | None) -> dict[str, str]:
-    """`Authorization: Bearer <token>` for admin calls, or nothing where no token is configured."""
-    return {"Authorization": f"Bearer {token}"} if token else {}
+def admin_headers(token: str) -> dict[str, str]:
+    """`Authorization: Bearer <token>` for admin calls."""
+    return {"Authorization": f"Bearer {token}"}
 
 
-def build_admin_guard(token: str | None) -> Callable[[Request], Awaitable[None]]:
-    """A FastAPI dependency that raises AdminAuthError unless the request may use admin routes."""
+def write_token_file(path: str | Path, token: str) -> Path:
+    """Write `token` to `path` readable by its owner only (0600, set before the token goes in)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode under O_CREAT
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return path
+
+
+def build_admin_guard(token: str) -> Callable[[Request], Awaitable[None]]:
+    """A FastAPI dependency that raises AdminAuthError unless the request carries `Bearer <token>`."""
 
     async def guard(request: Request) -> None:
-        if token is None:
-            client = request.client.host if request.client else ""
-            if not is_loopback(client):
-                raise AdminAuthError(
-                    f"admin routes answer loopback clients only (this call came from {client or 'unknown'}); "
-                    f"start the server with an admin token (argument or ${ADMIN_TOKEN_ENV}) to allow remote calls",
-                    403,
-                )
-            return
         scheme, _, value = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(value.strip().encode(), token.encode()):
+        if scheme.lower() != "bearer" or not value.strip():
             raise AdminAuthError(
-                "admin route: missing or wrong bearer token (send 'Authorization: Bearer <token>'; "
-                f"the token is the one the server was started with, or ${ADMIN_TOKEN_ENV})",
+                "admin route: no bearer token (send 'Authorization: Bearer <token>'; the token is the one "
+                f"the server was started with: `agentrl serve` writes it to a file and prints its path, or set "
+                f"${ADMIN_TOKEN_ENV})",
                 401,
             )
+        if not secrets.compare_digest(value.strip().encode(), token.encode()):
+            raise AdminAuthError("admin route: wrong bearer token", 403)
 
     return guard

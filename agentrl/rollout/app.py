@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP server for the embedded engine (FastAPI), token-in/token-out.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, and admin
-routes POST /update_weights, /v1/load_lora_adapter, /sleep, /wake_up, GET /is_sleeping; GET /metrics (Prometheus
-text under vLLM's names, `prometheus.py`) and GET /stats (the engine's counters as JSON).
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (status `ok`, or
+`sleeping`), admin routes POST /update_weights, /v1/load_lora_adapter, /sleep, /wake_up (`server_admin.py`,
+with the open GET /is_sleeping); GET /metrics (Prometheus text under vLLM's names, `prometheus.py`) and GET /stats (the
+engine's counters as JSON).
 Responses carry `policy_version` (the weights version when the request started) and, with
 `return_token_ids: true`, the exact prompt and completion token ids in vLLM 0.32's fields.
 `tool_choice` naming a function or `"required"`, and `response_format` `json_schema` / `json_object`,
@@ -12,7 +13,8 @@ the served one (or its LoRA adapter) is a 404 naming `model`, as vLLM answers. A
 engine takes `image_url` parts (`engines/vision.py`: the prompt ids then hold every image pad, and the
 response's `prompt_images` holds the resized images, the reference training rebuilds pixels from);
 other media, and images to a text-only model, are refused with a 400. Admin routes need the bearer token the
-app was built with (`admin_auth.py`); without one they answer loopback clients only.
+app was built with (`admin_auth.py`) on every bind. Generation requests that arrive while the engine sleeps wait
+for it at most `sleep_wait_s` seconds, then get a 503 naming the sleep.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from agentrl.rollout._openai_protocol import (
     COMPLETIONS_MAX_TOKENS,
@@ -31,6 +34,7 @@ from agentrl.rollout._openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     NamedToolChoice,
+    RequestError,
     TokenText,
     build_chat_logprobs,
     build_completion_logprobs,
@@ -43,10 +47,9 @@ from agentrl.rollout._openai_protocol import (
     top_logprobs_error,
 )
 from agentrl.rollout._sse import stream_chat, stream_completions
-from agentrl.rollout.admin_auth import AdminAuthError, build_admin_guard
+from agentrl.rollout.admin_auth import AdminAuthError, resolve_admin_token
 from agentrl.rollout.chat import ChatRenderCache, parse_tool_calls
 from agentrl.rollout.continuation import CONTINUED_FIELD, continue_prompt
-from agentrl.rollout.engines._weights import read_state_dict
 from agentrl.rollout.engines.constraints import Constraint, ConstraintError, build_constraint
 from agentrl.rollout.engines.vision import (
     IMAGE_PART_TYPES,
@@ -55,37 +58,26 @@ from agentrl.rollout.engines.vision import (
     collect_image_refs,
 )
 from agentrl.rollout.prometheus import render_prometheus
+from agentrl.rollout.server_admin import SLEEP_WAIT_S, add_admin_routes, wait_until_awake
 from agentrl.types import SamplingParams
 
 __all__ = ["build_server_app", "RequestError"]
 
 
-class RequestError(Exception):
-    """A request the server refuses; becomes an OpenAI error body with `param` naming the field (and `code`
-    a named reason where one exists, e.g. `PROMPT_LIMIT_CODE`)."""
-
-    def __init__(
-        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
-
-
-class UpdateWeightsBody(BaseModel):
-    path: str
-
-
-class LoadLoraBody(BaseModel):
-    lora_name: str
-    lora_path: str
-
-
 class _Server:
     """What every route needs: the engine, tokenizer, names and limits."""
 
-    def __init__(self, engine: Any, tokenizer: Any, model_name: str, max_model_len: int, max_n: int) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        model_name: str,
+        max_model_len: int,
+        max_n: int,
+        sleep_wait_s: float,
+    ) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.max_model_len, self.max_n = max_model_len, max_n
+        self.max_model_len, self.max_n, self.sleep_wait_s = max_model_len, max_n, sleep_wait_s
         self.token_text = TokenText(tokenizer)
         self.chat_prompts = ChatRenderCache(tokenizer)
 
@@ -207,6 +199,7 @@ async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
     prompt_ids, parse_tools, images, continued = _render_chat_request(server, req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     extra = {"constraint": constraint} if (constraint := _chat_constraint(req, tools)) else {}
+    await wait_until_awake(server.engine, server.sleep_wait_s)
     params = req.to_sampling_params(server.max_tokens(req.requested_max_tokens(), len(prompt_ids)))
     top = (req.top_logprobs or 0) if req.logprobs else 0
     version = server.engine.policy_version
@@ -279,6 +272,7 @@ async def _completions(server: _Server, req: CompletionRequest) -> Any:
         raise RequestError("echo: not supported by the embedded engine", "echo")
     prompts = _completion_prompts(server, req.prompt, req.agentrl_max_prompt_tokens)
     top = req.logprobs or 0
+    await wait_until_awake(server.engine, server.sleep_wait_s)
     version = server.engine.policy_version
     params = [
         req.to_sampling_params(server.max_tokens(req.max_tokens or COMPLETIONS_MAX_TOKENS, len(p)))
@@ -392,17 +386,19 @@ def build_server_app(
     max_model_len: int | None = None,
     max_n: int = 16,
     admin_token: str | None = None,
+    sleep_wait_s: float = SLEEP_WAIT_S,
 ) -> FastAPI:
     """The OpenAI-compatible app over `engine` (an `EmbeddedEngine` or anything with its methods).
 
-    `admin_token`: the bearer token admin routes require (see `admin_auth.resolve_admin_token`);
-    None leaves them open to loopback clients only.
+    `admin_token`: the bearer token admin routes require (default: this process's, `admin_auth.py`; read it
+    back from `app.state.admin_token`). `sleep_wait_s`: how long a generation request waits for a sleeping
+    engine before its 503.
     """
-    server = _Server(engine, tokenizer, model_name, int(max_model_len or engine.max_model_len), max_n)
+    max_model_len = int(max_model_len or engine.max_model_len)
+    server = _Server(engine, tokenizer, model_name, max_model_len, max_n, sleep_wait_s)
     app = FastAPI(title="agentrl embedded engine")
-    app.state.server, app.state.admin_token = server, admin_token
+    app.state.server, app.state.admin_token = server, resolve_admin_token(admin_token)
     app.state.direct = DirectCalls(server)
-    admin = [Depends(build_admin_guard(admin_token))]
 
     @app.exception_handler(AdminAuthError)
     async def _denied(_: Request, exc: AdminAuthError) -> JSONResponse:
@@ -416,6 +412,12 @@ def build_server_app(
     @app.exception_handler(RequestError)
     async def _refused(_: Request, exc: RequestError) -> JSONResponse:
         return JSONResponse(build_error(exc.message, exc.param, exc.status, exc.code), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # An unknown path or method: the same error shape as every other refusal.
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(build_error(message, None, exc.status_code), status_code=exc.status_code)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Any:
@@ -454,40 +456,9 @@ def build_server_app(
 
     @app.get("/health")
     async def health() -> dict[str, str]:
-        return {"status": "ok"}
+        return {"status": "sleeping" if getattr(engine, "is_sleeping", False) else "ok"}
 
-    @app.post("/update_weights", dependencies=admin)
-    async def update_weights(body: UpdateWeightsBody) -> dict[str, Any]:
-        try:
-            version = await asyncio.to_thread(lambda: engine.update_weights(read_state_dict(body.path)))
-        except (ValueError, OSError) as error:
-            raise RequestError(str(error), "path") from error
-        return {"policy_version": version, "weights_fingerprint": engine.weights_fingerprint()}
-
-    @app.post("/v1/load_lora_adapter", dependencies=admin)
-    async def load_lora_adapter(body: LoadLoraBody) -> dict[str, Any]:
-        try:
-            version = await asyncio.to_thread(engine.load_lora_adapter, body.lora_name, body.lora_path)
-        except (ValueError, OSError) as error:
-            raise RequestError(f"lora_path: {error}", "lora_path") from error
-        return {"status": "ok", "lora_name": body.lora_name, "policy_version": version}
-
-    @app.post("/sleep", dependencies=admin)
-    async def sleep() -> dict[str, bool]:
-        try:
-            await asyncio.to_thread(engine.sleep)
-        except RuntimeError as error:
-            raise RequestError(str(error), None, 409) from error
-        return {"is_sleeping": True}
-
-    @app.post("/wake_up", dependencies=admin)
-    async def wake_up() -> dict[str, bool]:
-        await asyncio.to_thread(engine.wake_up)
-        return {"is_sleeping": False}
-
-    @app.get("/is_sleeping")
-    async def is_sleeping() -> dict[str, bool]:
-        return {"is_sleeping": engine.is_sleeping}
+    add_admin_routes(app, engine, app.state.admin_token)
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:

@@ -3,7 +3,9 @@
 Every failure becomes data: an exception is an `error` episode with its traceback, a rollout over
 `agent.timeout` is `timeout`, too many model calls is `max_turns_exceeded`, and so on. Steps get their token
 ids and logprobs from the gateway's traces of the rollout's own session (token in, token out); a step whose
-text disagrees with every trace is counted and excluded, never trained on.
+text disagrees with every trace is counted and excluded, never trained on. Errors and timeouts are counted for
+the console's line of the step (`tracking/failures.py`), and a flow that blocks the event loop is named in a
+warning (`loop_watchdog.py`) and in the reason of the timeouts it caused.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ import openai
 
 from agentrl.flow import AgentFlow, RolloutContext
 from agentrl.rollout.gateway import refusal_reason
+from agentrl.rollout.loop_watchdog import LoopLagWatchdog
 from agentrl.rollout.uvicorn_thread import InProcessFirstTransport
+from agentrl.tracking.failures import record_failure
 from agentrl.types import Episode, Step, Task, TerminationReason, Trace, Trajectory
 
 _RETRYABLE = (openai.APIConnectionError, openai.APITimeoutError, openai.InternalServerError)
+_COUNTED = {TerminationReason.ERROR: "flow_error", TerminationReason.TIMEOUT: "timeout"}
+"""Termination reasons the console's line of the step counts (`tracking/failures.py`)."""
 
 
 class SessionHost(Protocol):
@@ -55,6 +61,8 @@ class CollectorLimits:
     """Attempts per rollout: a retryable failure (connection error, server 5xx) is tried again."""
     timeout: float = 120.0
     max_prompt_length: int = 1024
+    loop_lag_warning: float = 2.0
+    """Seconds the event loop may go without running before the watchdog warns that the flow blocks it."""
 
 
 class RolloutCollector:
@@ -105,7 +113,18 @@ class RolloutCollector:
                     on_episode(episode)
                 return episode
 
-            return list(await asyncio.gather(*(one(task, i) for task in tasks for i in range(n))))
+            async with LoopLagWatchdog(flow, self.limits.loop_lag_warning) as watchdog:
+                episodes = list(await asyncio.gather(*(one(task, i) for task in tasks for i in range(n))))
+        blocked = watchdog.longest_stall >= self.limits.loop_lag_warning
+        for episode in episodes:
+            if episode.termination_reason == TerminationReason.TIMEOUT and blocked:
+                episode.error = (
+                    f"{episode.error or ''}\nthe event loop was blocked for {watchdog.longest_stall:.1f} s while "
+                    f"{watchdog.flow_name} ran: use async calls or asyncio.to_thread in its run (see the warning)"
+                )
+            if episode.termination_reason in _COUNTED:
+                record_failure(_COUNTED[episode.termination_reason], episode.error)
+        return episodes
 
     async def _rollout(
         self, flow: AgentFlow, task: Task, sample: int, mode: str, http: httpx.AsyncClient, round_id: int
@@ -206,6 +225,7 @@ def step_from_trace(trace: Trace) -> Step:
             "policy_version": trace.policy_version,
             "request_id": trace.request_id,
             "latency_s": trace.latency_s,
+            "server": trace.server,
         },
     )
 

@@ -16,8 +16,8 @@ session on its first call instead. A model name other than the served one is a 4
 Two refusals end an episode, each with its `error.code`: a call beyond the session's cap (`agent.max_steps`:
 `max_turns_exceeded`) and a prompt over `max_prompt_tokens` (`data.max_prompt_length`:
 `max_prompt_length_exceeded`). Errors have vLLM's shape (`type` BadRequestError, NotFoundError, ...).
-Session control and trace reads are admin routes (`admin_auth.py`): open on loopback, behind a
-bearer token when the gateway binds another address. The gateway holds no algorithm logic: it
+Session control and trace reads are admin routes (`admin_auth.py`): behind a bearer token on every bind,
+loopback included (401 without one, 403 with a wrong one). The gateway holds no algorithm logic: it
 translates and forwards. Image parts go to the embedded engine of a vision-language policy (each trace
 keeps the resized images, `Trace.images`); to vLLM servers they are refused with a 400 naming `messages`.
 """
@@ -34,6 +34,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from agentrl.data.images import has_image_parts
@@ -155,8 +156,8 @@ def build_gateway_app(
 ) -> FastAPI:
     """The gateway's FastAPI app; `sampling_val` defaults to greedy with `sampling_train`'s length cap.
 
-    `admin_token`: the bearer token that session control and trace reads require; None leaves them
-    open to loopback clients only. `cumulative_token_mode`: a chat turn that extends its session's previous
+    `admin_token`: the bearer token that session control and trace reads require (default: this process's,
+    `admin_auth.process_admin_token`). `cumulative_token_mode`: a chat turn that extends its session's previous
     one continues from the sampled ids (`continuation.py`); off, every turn is rendered from its messages.
     `max_prompt_tokens` (`data.max_prompt_length`): a call whose prompt is longer is refused with a 400 of
     code `max_prompt_length_exceeded` (`refuse_prompt`), as is a server's own refusal of a too-long prompt.
@@ -168,7 +169,7 @@ def build_gateway_app(
     }
     app = FastAPI(title="agentrl gateway")
     app.state.pool, app.state.trace_store, app.state.sampling = pool, trace_store, sampling
-    app.state.admin_token = admin_token
+    app.state.admin_token = admin_token = resolve_admin_token(admin_token)
     app.state.max_prompt_tokens = max_prompt_tokens
     app.state.session_turns = turns = SessionTurns()
     admin = [Depends(build_admin_guard(admin_token))]
@@ -191,6 +192,10 @@ def build_gateway_app(
     @app.exception_handler(AdminAuthError)
     async def _denied(_: Request, exc: AdminAuthError) -> JSONResponse:
         return _error(exc.status, exc.message)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
 
     @app.exception_handler(UnknownSessionError)
     async def _unknown_session(_: Request, exc: UnknownSessionError) -> JSONResponse:
@@ -514,12 +519,12 @@ class Gateway:
         cumulative_token_mode: bool = True,
         max_prompt_tokens: int | None = None,
     ) -> None:
-        """`admin_token` guards session control and traces; bound off loopback without one (and without
-        `$AGENTRL_ADMIN_TOKEN`), a random token is made: read it from `.admin_token`. `max_prompt_tokens`
+        """`admin_token` guards session control and traces (default: `$AGENTRL_ADMIN_TOKEN`, else this
+        process's random token); read it from `.admin_token`. `max_prompt_tokens`
         (`data.max_prompt_length`) refuses longer prompts (`build_gateway_app`)."""
         self.pool = pool
         self.trace_store = trace_store or TraceStore()
-        self.admin_token = resolve_admin_token(host, admin_token)
+        self.admin_token = resolve_admin_token(admin_token)
         self.app = build_gateway_app(
             pool, self.trace_store, sampling_train=sampling_train, sampling_val=sampling_val,
             max_n=max_n, allow_implicit_sessions=allow_implicit_sessions, admin_token=self.admin_token,

@@ -19,7 +19,8 @@ Both engines sit behind the same pool; only their admin routes differ:
 | LoRA adapter      | POST /v1/load_lora_adapter      | POST /v1/load_lora_adapter (load_inplace when the name is reused)     |
 | sleep / wake up   | POST /sleep, POST /wake_up      | POST /sleep?level=1, POST /wake_up                                   |
 
-Admin calls carry the servers' bearer token when one is set (`admin_auth.py`). A server whose app
+Admin calls carry the servers' bearer token (`admin_auth.py`: by default this process's, which the servers it
+serves require too). A server whose app
 runs in this process (`uvicorn_thread.find_local_app`) is called in-process through
 `httpx.ASGITransport`: same routes and answers, no TCP hop and no second event loop. Its generation
 routes are called as Python (`server.DirectCalls`): the same answer as a dict, without the ASGI hop and
@@ -39,7 +40,7 @@ from typing import Any, NamedTuple
 import httpx
 
 from agentrl.rollout._openai_protocol import build_error
-from agentrl.rollout.admin_auth import admin_headers
+from agentrl.rollout.admin_auth import admin_headers, resolve_admin_token
 from agentrl.rollout.engines.vllm import describe_exit, engine_dead_reason
 from agentrl.rollout.uvicorn_thread import InProcessFirstTransport, find_local_app
 
@@ -111,7 +112,8 @@ class RolloutPool:
 
         `model_name` is the name the servers serve; requests are forwarded with `model` set to it
         (or to the active LoRA adapter). `transport` replaces httpx's network transport (tests serve
-        several in-process apps through one). `admin_token` is sent with admin calls. `in_process`
+        several in-process apps through one). `admin_token` is sent with admin calls (default: this process's
+        token, `admin_auth.process_admin_token`). `in_process`
         calls servers of this process in-process (see the module docstring); `direct=False` keeps their generation
         routes on ASGI too (benchmarks/rollout_overhead.py compares).
         """
@@ -134,7 +136,7 @@ class RolloutPool:
             weakref.WeakKeyDictionary()
         )
         self._transport = transport
-        self._admin_token = admin_token
+        self._admin_token = resolve_admin_token(admin_token)
         self._in_process = in_process
         self._direct = direct
 

@@ -7,8 +7,7 @@ concurrent test between choosing and binding.
 
 Apps served this way are also listed by URL (`find_local_app`), so clients in the same process (the
 `RolloutPool` calling its servers, the collector calling the gateway) reach them through
-`InProcessFirstTransport`: in-process ASGI instead of a TCP hop. An app
-whose admin routes have no token (`app.state.admin_token is None`) is refused a non-loopback host.
+`InProcessFirstTransport`: in-process ASGI instead of a TCP hop.
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ from typing import Any
 
 import httpx
 import uvicorn
-
-from agentrl.rollout.admin_auth import ADMIN_TOKEN_ENV, is_loopback
 
 __all__ = ["InProcessFirstTransport", "ServerHandle", "find_local_app", "start_server_in_thread"]
 
@@ -97,17 +94,16 @@ def start_server_in_thread(
 ) -> ServerHandle:
     """Serve `app` from a daemon thread; returns once `GET {health_path}` answers 200.
 
-    Raises RuntimeError if the server thread dies or health does not answer within `timeout`, and
-    ValueError for a non-loopback `host` when the app's admin routes have no token.
+    Raises RuntimeError if the server thread dies or health does not answer within `timeout`, and OSError
+    (errno EADDRINUSE) when `port` is taken.
     """
-    if not is_loopback(host) and getattr(getattr(app, "state", None), "admin_token", "") is None:
-        raise ValueError(
-            f"refusing to serve {getattr(app, 'title', 'the app')!r} on {host}: its admin routes have no token; "
-            f"build it with admin_token=resolve_admin_token(host) (or set ${ADMIN_TOKEN_ENV})"
-        )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     bound_port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30)
     server = uvicorn.Server(config)

@@ -1,4 +1,5 @@
-"""Console backend: one compact line per step with the numbers people watch during a run."""
+"""Console backend: one compact line per step with the numbers people watch during a run, and a second line
+when rollouts failed (flow errors, timeouts, evaluator errors, each with its first reason: `failures.py`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+from agentrl.tracking.failures import drain_failures, format_failure_line
 
 
 def short_float(value: float | None) -> str:
@@ -41,10 +44,16 @@ def format_console_line(metrics: Mapping[str, float], step: int) -> str:
 
 
 class ConsoleBackend:
-    """Prints one line per step to stdout, through tqdm so that open progress bars stay intact."""
+    """Prints one line per step to stdout, through tqdm so that open progress bars stay intact, and one more
+    counting the step's failed rollouts when there were any."""
+
+    def __init__(self) -> None:
+        drain_failures()  # a run counts its own failures, not those of an earlier run in this process
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         tqdm.write(format_console_line(metrics, step), file=sys.stdout)
+        if (failed := format_failure_line(drain_failures(), step)) is not None:
+            tqdm.write(failed, file=sys.stdout)
 
     def log_params(self, params: Mapping[str, str]) -> None:
         pass

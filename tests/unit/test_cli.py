@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -154,10 +156,10 @@ def test_config_error_from_any_subcommand_exits_2(commands, capsys):
 # ---- as a user runs it: the console script, from their own folder --------------------------------------
 
 
-def _agentrl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def _agentrl(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     script = Path(sys.executable).parent / "agentrl"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "agentrl.cli"]
-    return subprocess.run([*command, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+    return subprocess.run([*command, *args], capture_output=True, text=True, cwd=cwd, timeout=120, env=env)
 
 
 @pytest.mark.parametrize(("command", "flag"), [("train", "--help"), ("sft", "-h")])
@@ -233,3 +235,28 @@ def test_train_names_bad_device_and_model_path(tmp_path):
 
     if not torch.cuda.is_available():
         assert "trainer.device=cuda: this machine has no CUDA device" in result.stderr
+
+
+def test_serve_start_up_errors_are_one_line_and_status_2(tmp_path):
+    """A taken port is refused before any model is built or loaded (the model cache stays empty), naming --port;
+    a model path that does not exist is refused the same way, like `agentrl train` refuses it."""
+    env = {**os.environ, "AGENTRL_CACHE": str(tmp_path / "cache")}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _agentrl("serve", "--model", "tiny:qwen2", "--port", str(port), cwd=tmp_path, env=env)
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line == (
+        f"agentrl serve: --port {port}: 127.0.0.1:{port} is already in use; pick another --port, "
+        "or leave it out for a free one"
+    )
+    assert not (tmp_path / "cache").exists()  # checked before the tiny model was built
+    result = _agentrl("serve", "--model", "/no/such/model", cwd=tmp_path, env=env)
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith("agentrl serve: --model='/no/such/model': no such file or folder")
+    result = _agentrl("serve", "--model", "tiny:no-such-preset", cwd=tmp_path, env=env)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
+    assert "unknown tiny preset 'no-such-preset'" in result.stderr

@@ -89,20 +89,26 @@ def load_weights_in_place(
 
 
 def read_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """Read a `.safetensors` file, or every `*.safetensors` file of an HF model folder."""
+    """Read a `.safetensors` file, or every `*.safetensors` file of an HF model folder.
+
+    A file that is not safetensors is a ValueError naming it (safetensors' own error is no ValueError)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     source = Path(path)
-    if source.is_file():
-        return load_file(str(source))
-    files = sorted(source.glob("*.safetensors")) if source.is_dir() else []
+    files = [source] if source.is_file() else sorted(source.glob("*.safetensors")) if source.is_dir() else []
     if not files:
         raise ValueError(
             f"update_weights: {path!r} is neither a .safetensors file nor a folder containing one"
         )
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(str(file)))
+        try:
+            state.update(load_file(str(file)))
+        except SafetensorError as error:
+            raise ValueError(
+                f"update_weights: {str(file)!r} is not a readable .safetensors file ({error})"
+            ) from None
     return state
 
 

@@ -698,7 +698,8 @@ class EmbeddedEngine:
         LoRA, whose engine owns a copy; pinned buffers copy at the bus's speed."""
         if self._host_weights is None:
             self._host_weights = {
-                name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in self._weight_tensors()
+                name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                for name, t in self._weight_tensors()
             }
         for name, tensor in self._weight_tensors():
             self._host_weights[name].copy_(tensor.data, non_blocking=True)

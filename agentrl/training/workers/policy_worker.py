@@ -85,7 +85,8 @@ class PolicyWorker:
         self.generator = torch.Generator().manual_seed(config.trainer.seed)
         self.rollout = None
         if self.device.type == "cuda" and (arr.actor.use_torch_compile or arr.rollout.compile_decode):
-            use_compile_cache(self.actor.config, _DTYPES[arr.model.dtype], self.device)  # before anything compiles
+            # before anything compiles: Inductor's caches in this model's folder (kept across runs)
+            use_compile_cache(self.actor.config, _DTYPES[arr.model.dtype], self.device)
 
     def _load_policy(self, *, trainable: bool, offload: bool) -> torch.nn.Module:
         """The policy from `model.path`: whole on this device, or FSDP2-sharded over the worker group.

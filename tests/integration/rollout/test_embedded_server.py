@@ -9,6 +9,7 @@ import openai
 import pytest
 import torch
 
+from agentrl.rollout.admin_auth import admin_headers, process_admin_token
 from agentrl.rollout.app import build_server_app
 from agentrl.rollout.chat import render_chat
 from agentrl.rollout.engines.embedded import EmbeddedEngine, fingerprint_state_dict
@@ -268,12 +269,26 @@ def test_admin_routes(admin_server, tmp_path, tokenizer, make_diverse_model):
     assert version == 0
     new_state = {k: v.clone() for k, v in make_diverse_model(seed=3).state_dict().items()}
     save_file(new_state, str(tmp_path / "model.safetensors"))
-    update = httpx.post(handle.url + "/update_weights", json={"path": str(tmp_path)}, timeout=60).json()
+    admin = admin_headers(process_admin_token())  # the token every server of this process requires
+    update = httpx.post(
+        handle.url + "/update_weights", json={"path": str(tmp_path)}, headers=admin, timeout=60
+    )
+    update = update.json()
     assert update == {"policy_version": 1, "weights_fingerprint": fingerprint_state_dict(new_state)}
     after, version = greedy()
     assert version == 1 and after != before
-    bad = httpx.post(handle.url + "/update_weights", json={"path": str(tmp_path / "nope")})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "path"
+    # A missing path, a file that is not safetensors, a folder without one, weights of another model: a JSON
+    # 400 naming the path, never a 500.
+    (tmp_path / "notes.txt").write_text("not a safetensors file")
+    (tmp_path / "empty").mkdir()
+    save_file({"no.such.weight": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    for name in ("nope", "notes.txt", "empty", "other.safetensors"):
+        path = str(tmp_path / name)
+        bad = httpx.post(handle.url + "/update_weights", json={"path": path}, headers=admin)
+        error = bad.json()["error"]
+        assert bad.status_code == 400 and error["param"] == "path" and path in error["message"], bad.text
+        assert error["type"] == "BadRequestError"
+    assert "no.such.weight" in error["message"] and greedy() == (after, 1)  # refused whole, nothing written
 
     peft_model = get_peft_model(
         copy.deepcopy(engine.model),
@@ -283,6 +298,7 @@ def test_admin_routes(admin_server, tmp_path, tokenizer, make_diverse_model):
     loaded = httpx.post(
         handle.url + "/v1/load_lora_adapter",
         json={"lora_name": "mine", "lora_path": str(tmp_path / "adapter")},
+        headers=admin,
         timeout=60,
     )
     assert loaded.status_code == 200 and loaded.json()["policy_version"] == 2
@@ -292,9 +308,9 @@ def test_admin_routes(admin_server, tmp_path, tokenizer, make_diverse_model):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="theirs", prompt="Hi", max_tokens=2)
 
-    assert httpx.post(handle.url + "/sleep").json() == {"is_sleeping": True}
+    assert httpx.post(handle.url + "/sleep", headers=admin).json() == {"is_sleeping": True}
     assert httpx.get(handle.url + "/is_sleeping").json() == {"is_sleeping": True}
-    assert httpx.post(handle.url + "/wake_up").json() == {"is_sleeping": False}
+    assert httpx.post(handle.url + "/wake_up", headers=admin).json() == {"is_sleeping": False}
     metrics = httpx.get(handle.url + "/stats").json()
     assert (
         metrics["policy_version"] == 2

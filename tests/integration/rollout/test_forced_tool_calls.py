@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from test_serve import _interrupt, _start_serve  # the same `agentrl serve` start-up as the serve tests
+from test_serve import _admin, _interrupt, _start_serve  # the same start-up as the serve tests
 
 from agentrl.models import load_causal_lm, load_tokenizer
 from agentrl.rollout.chat import render_chat
@@ -58,7 +58,8 @@ USER = [{"role": "user", "content": "What is the weather in Paris for three days
 
 @pytest.fixture(scope="module")
 def base():
-    proc, url, _ = _start_serve(["--model", MODEL, "--max-tokens", "96", "--max-model-len", "512"], 180)
+    proc, url, lines = _start_serve(["--model", MODEL, "--max-tokens", "96", "--max-model-len", "512"], 180)
+    _ADMIN[url] = _admin(lines)
     yield url
     out = _interrupt(proc)
     assert proc.returncode == 0, out
@@ -75,8 +76,12 @@ def _client(base: str, session: str) -> openai.OpenAI:
     )
 
 
+_ADMIN: dict[str, dict[str, str]] = {}
+"""Gateway URL -> the admin header its traces need (the token from the file `agentrl serve` printed)."""
+
+
 def _traces(base: str, session: str) -> list[dict]:
-    return httpx.get(f"{base}/sessions/{session}/traces", timeout=30).json()
+    return httpx.get(f"{base}/sessions/{session}/traces", headers=_ADMIN[base], timeout=30).json()
 
 
 def _teacher_forced_logprobs(policy, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:

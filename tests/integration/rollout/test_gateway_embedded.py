@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from agentrl.models import resolve_model_path
+from agentrl.rollout.admin_auth import admin_headers
 from agentrl.rollout.app import build_server_app
 from agentrl.rollout.engines.embedded import build_embedded_engine
 from agentrl.rollout.gateway import Gateway
@@ -168,8 +169,9 @@ def test_unknown_session_is_404_and_bad_fields_are_4xx(stack: Gateway) -> None:
     base = stack.url
     r = httpx.post(f"{base}/sessions/nope/v1/chat/completions", json={"messages": MSG})
     assert r.status_code == 404 and r.json()["error"]["param"] == "session_id"
-    assert httpx.get(f"{base}/sessions/nope/traces").status_code == 404
-    sid = httpx.post(f"{base}/sessions", json={"mode": "validation"}).json()["session_id"]
+    admin = admin_headers(stack.admin_token)
+    assert httpx.get(f"{base}/sessions/nope/traces", headers=admin).status_code == 404
+    sid = httpx.post(f"{base}/sessions", json={"mode": "validation"}, headers=admin).json()["session_id"]
     url = f"{base}/sessions/{sid}/v1"
     cases = {
         "n": {"messages": MSG, "n": 5},  # above the gateway's cap of 4
@@ -191,11 +193,11 @@ def test_unknown_session_is_404_and_bad_fields_are_4xx(stack: Gateway) -> None:
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/completions", json={"prompt": "word " * 400})  # longer than max_model_len 256
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-    r = httpx.post(f"{base}/sessions", json={"mode": "greedy"})
+    r = httpx.post(f"{base}/sessions", json={"mode": "greedy"}, headers=admin)
     assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
     assert httpx.get(f"{url}/models").json()["data"][0]["id"] == MODEL
     assert stack.session_traces(sid) == []  # refused calls leave no trace
-    assert httpx.delete(f"{base}/sessions/{sid}").status_code == 200
+    assert httpx.delete(f"{base}/sessions/{sid}", headers=admin).status_code == 200
     assert httpx.post(f"{url}/completions", json={"prompt": "x"}).status_code == 404
 
 

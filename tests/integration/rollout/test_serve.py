@@ -1,10 +1,12 @@
-"""`agentrl serve` as a user runs it: start, health, a chat call, traces, Ctrl-C, nothing left behind."""
+"""`agentrl serve` as a user runs it: start, health, a chat call, traces with the admin token from the file it
+printed, Ctrl-C, nothing left behind (the token file included)."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -22,12 +24,14 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
 def _start_serve(args: list[str], timeout: float) -> tuple[subprocess.Popen, str, list[str]]:
+    """The process, its gateway URL and what it printed, up to the admin token file's line."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "agentrl.cli", "serve", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
     )  # fmt: skip
     lines: list[str] = []
+    base = None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -35,9 +39,22 @@ def _start_serve(args: list[str], timeout: float) -> tuple[subprocess.Popen, str
             break
         lines.append(line)
         if m := re.search(r"behind the gateway at (http://[\d.]+:\d+)", line):
-            return proc, m.group(1), lines
+            base = m.group(1)
+        if base and "admin token file" in line:
+            return proc, base, lines
     proc.kill()
-    raise AssertionError("agentrl serve did not print its base URL:\n" + "".join(lines))
+    raise AssertionError("agentrl serve did not print its base URL and token file:\n" + "".join(lines))
+
+
+def _token_file(lines: list[str]) -> Path:
+    return Path(
+        next(re.search(r"admin token file.*?:\s+(\S+)", line)[1] for line in lines if "token file" in line)
+    )
+
+
+def _admin(lines: list[str]) -> dict[str, str]:
+    """The header an admin call needs: the token from the file `agentrl serve` printed."""
+    return {"Authorization": f"Bearer {_token_file(lines).read_text()}"}
 
 
 def _interrupt(proc: subprocess.Popen) -> str:
@@ -48,11 +65,14 @@ def _interrupt(proc: subprocess.Popen) -> str:
 
 def test_serve_embedded_two_servers(tmp_path: Path) -> None:
     proc, base, lines = _start_serve(
-        ["--model", "tiny:qwen2-mini", "--servers", "2", "--max-tokens", "5"], 120
+        ["--model", "tiny:qwen2-mini", "--servers", "2", "--max-tokens", "5", "--log-dir", str(tmp_path)], 120
     )
+    token_file = _token_file(lines)
     try:
-        usage = "".join(lines) + proc.stdout.readline() + proc.stdout.readline()
+        usage = "".join(lines)
         assert f"{base}/sessions/<id>/v1" in usage and f"GET {base}/sessions/<id>/traces" in usage
+        assert token_file.parent == tmp_path and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        assert token_file.read_text() not in usage  # the path is printed, never the token
         health = httpx.get(f"{base}/health").json()
         assert health["status"] == "ok" and len(health["servers"]) == 2
         r = httpx.post(
@@ -61,7 +81,8 @@ def test_serve_embedded_two_servers(tmp_path: Path) -> None:
             timeout=60,
         )
         assert r.status_code == 200, r.text
-        traces = httpx.get(f"{base}/sessions/demo/traces").json()
+        assert httpx.get(f"{base}/sessions/demo/traces").status_code == 401
+        traces = httpx.get(f"{base}/sessions/demo/traces", headers=_admin(lines)).json()
         assert len(traces) == 1 and 1 <= len(traces[0]["response_ids"]) <= 5
         assert len(traces[0]["logprobs"]) == len(traces[0]["response_ids"])
     finally:
@@ -69,6 +90,7 @@ def test_serve_embedded_two_servers(tmp_path: Path) -> None:
     assert proc.returncode == 0, out
     assert "stopping" in out
     assert not group_alive(proc.pid)
+    assert not token_file.exists()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{base}/health", timeout=2)
 
@@ -83,7 +105,7 @@ def test_serve_vision_language_answers_an_openai_client_with_a_png(tmp_path: Pat
 
     image = Image.new("RGB", (100, 60), "white")
     ImageDraw.Draw(image).ellipse((10, 10, 40, 40), fill="red")
-    proc, base, _ = _start_serve(["--model", "tiny:qwen2-vl", "--max-tokens", "5"], 120)
+    proc, base, lines = _start_serve(["--model", "tiny:qwen2-vl", "--max-tokens", "5"], 120)
     try:
         client = openai.OpenAI(base_url=f"{base}/sessions/vl/v1", api_key="none")
         content = [
@@ -94,7 +116,7 @@ def test_serve_vision_language_answers_an_openai_client_with_a_png(tmp_path: Pat
             model="tiny:qwen2-vl", messages=[{"role": "user", "content": content}]
         )
         assert reply.choices[0].message.role == "assistant"
-        [trace] = httpx.get(f"{base}/sessions/vl/traces").json()
+        [trace] = httpx.get(f"{base}/sessions/vl/traces", headers=_admin(lines)).json()
         image_pad = load_causal_lm("tiny:qwen2-vl").config.image_token_id
         # 100x60 -> 112x56 pixels -> a 4x8 patch grid -> 8 tokens after the 2x2 merge.
         assert trace["prompt_ids"].count(image_pad) == 8
@@ -115,23 +137,26 @@ def test_serve_vision_language_answers_an_openai_client_with_a_png(tmp_path: Pat
     assert proc.returncode == 0, out
 
 
-def test_serve_off_loopback_guards_traces_with_a_printed_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("AGENTRL_ADMIN_TOKEN", raising=False)
+def test_serve_off_loopback_takes_the_users_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("AGENTRL_ADMIN_TOKEN", "users-own-token")
+    token_file = tmp_path / "token"
     proc, base, lines = _start_serve(
-        ["--model", "tiny:qwen2-mini", "--host", "0.0.0.0", "--max-tokens", "3"], 120
-    )
+        ["--model", "tiny:qwen2-mini", "--host", "0.0.0.0", "--max-tokens", "3",
+         "--admin-token-file", str(token_file)], 120,
+    )  # fmt: skip
     try:
-        while not (m := re.search(r"Authorization: Bearer (\S+)", lines[-1])):
-            lines.append(proc.stdout.readline())
-            assert lines[-1], "".join(lines)
-        token = m.group(1)
+        assert _token_file(lines) == token_file and token_file.read_text() == "users-own-token"
         local = base.replace("0.0.0.0", "127.0.0.1")
         chat = {"model": "tiny:qwen2-mini", "messages": [{"role": "user", "content": "hi"}]}
         assert (
             httpx.post(f"{local}/sessions/demo/v1/chat/completions", json=chat, timeout=60).status_code == 200
         )
         assert httpx.get(f"{local}/sessions/demo/traces").status_code == 401
-        traces = httpx.get(f"{local}/sessions/demo/traces", headers={"Authorization": f"Bearer {token}"})
+        wrong = httpx.get(f"{local}/sessions/demo/traces", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 403
+        traces = httpx.get(
+            f"{local}/sessions/demo/traces", headers={"Authorization": "Bearer users-own-token"}
+        )
         assert traces.status_code == 200 and len(traces.json()) == 1
     finally:
         out = _interrupt(proc)

@@ -1,4 +1,5 @@
-"""A real embedded server on loopback (and off it): vLLM's sampling extensions, refused requests, admin tokens.
+"""A real embedded server on loopback: vLLM's sampling extensions and refused requests (admin tokens:
+test_admin_routes.py).
 
 EOS is made observable by declaring a token the greedy answer contains to be the model's EOS
 (`generation_config.eos_token_id`), so each case has an exact expected token list.
@@ -6,7 +7,6 @@ EOS is made observable by declaring a token the greedy answer contains to be the
 
 from __future__ import annotations
 
-import asyncio
 import copy
 
 import httpx
@@ -163,43 +163,3 @@ def server_url(model, tokenizer):
     yield handle.url
     handle.stop()
     engine.close()
-
-
-def test_admin_routes_need_the_token_off_loopback(model, tokenizer):
-    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=8, max_model_len=128)
-    app = build_server_app(engine, tokenizer, model_name="tiny", admin_token="s3cret")
-    with start_server_in_thread(app, "0.0.0.0") as handle:
-        url = f"http://127.0.0.1:{handle.port}"
-        for headers in ({}, {"Authorization": "Bearer nope"}):
-            r = httpx.post(url + "/sleep", headers=headers)
-            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
-        assert not engine.is_sleeping
-        pool = RolloutPool([url], model_name="tiny", admin_token="s3cret", in_process=False)
-        asyncio.run(pool.sleep())
-        assert engine.is_sleeping and all(s.healthy for s in pool.servers)
-        asyncio.run(pool.wake_up())
-        assert not engine.is_sleeping
-        # Model calls stay open.
-        r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
-        assert r.status_code == 200
-    engine.close()
-
-
-def test_a_gateway_off_loopback_makes_a_token_for_its_admin_routes(server_url, monkeypatch):
-    monkeypatch.delenv("AGENTRL_ADMIN_TOKEN", raising=False)
-    pool = RolloutPool([server_url], model_name="tiny")
-    with Gateway(pool, sampling_train=SamplingParams(max_tokens=4), host="0.0.0.0") as gateway:
-        token = gateway.admin_token
-        assert token and len(token) >= 32
-        base = f"http://127.0.0.1:{gateway.url.rsplit(':', 1)[1]}"
-        assert httpx.post(base + "/sessions", json={"session_id": "s"}).status_code == 401
-        auth = {"Authorization": f"Bearer {token}"}
-        assert httpx.post(base + "/sessions", json={"session_id": "s"}, headers=auth).status_code == 200
-        reply = httpx.post(
-            base + "/sessions/s/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
-        )
-        assert reply.status_code == 200
-        assert len(httpx.get(base + "/sessions/s/traces", headers=auth).json()) == 1
-    with Gateway(pool, sampling_train=SamplingParams(max_tokens=4)) as loopback:
-        assert loopback.admin_token is None
-        assert httpx.post(loopback.url + "/sessions", json={"session_id": "s"}).status_code == 200

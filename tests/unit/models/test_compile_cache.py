@@ -34,7 +34,9 @@ def test_the_caches_go_to_the_models_folder_unless_the_user_chose_one(tmp_path, 
     assert folder == compile_cache_dir(config, torch.float32, CPU) and folder.parent == tmp_path / "compile"
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
     assert os.environ["TRITON_CACHE_DIR"] == str(folder / "triton")
-    other = use_compile_cache(Qwen2Config(hidden_size=128), torch.float32, CPU)  # a second model: its own folder
+    other = use_compile_cache(
+        Qwen2Config(hidden_size=128), torch.float32, CPU
+    )  # a second model: its own folder
     assert other != folder and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(other)
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
@@ -64,7 +66,9 @@ def test_a_second_process_reuses_the_first_ones_compiled_graph(tmp_path):
     env["AGENTRL_CACHE"] = str(tmp_path)
 
     def run() -> str:
-        done = subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout.strip().splitlines()[-1]
 

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from agentrl.rollout._openai_protocol import PROMPT_LIMIT_CODE, build_error
+from agentrl.rollout.admin_auth import admin_headers
 from agentrl.rollout.gateway import (
     TURN_LIMIT_CODE,
     _ChatBody,
@@ -143,6 +144,9 @@ def gateway_client():
 
 
 def _call(app, method: str, url: str, **kw) -> httpx.Response:
+    """A call as the trainer's own clients make it: with the app's admin token (model calls ignore it)."""
+    kw.setdefault("headers", admin_headers(app.state.admin_token))
+
     async def go() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://gw") as c:
             return await c.request(method, url, **kw)

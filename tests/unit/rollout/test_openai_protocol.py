@@ -10,6 +10,7 @@ from agentrl.rollout._openai_protocol import (
     build_completion_logprobs,
     build_error,
     format_validation_error,
+    logit_bias_error,
 )
 
 
@@ -85,3 +86,11 @@ def test_logprob_shapes():
         "top_logprobs": [None, None],
         "text_offset": [4, 6],
     }
+
+
+def test_logit_bias_names_ids_outside_the_vocabulary_and_biases_that_are_not_numbers():
+    assert logit_bias_error({"0": 1.0, "9": -100.0}, 10) is None
+    assert "outside the vocabulary [0, 10)" in logit_bias_error({"10": 1.0}, 10)
+    assert "is not a token id" in logit_bias_error({"x": 1.0}, 10)
+    assert "must be a finite number" in logit_bias_error({"3": float("nan")}, 10)
+    assert "must be a finite number" in logit_bias_error({"3": float("-inf")}, 10)
