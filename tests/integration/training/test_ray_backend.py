@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _short_run import short_run_overrides
 
 from agentrl import AgentTrainer, MathAnswerMatch, SingleTurnChatFlow
 from agentrl.config import load_config
@@ -25,21 +26,7 @@ pytestmark = pytest.mark.slow
 
 
 def _overrides(run_dir: Path, model: Path | str, *extra: str) -> list[str]:
-    return [
-        "trainer.logger=[console]",
-        f"trainer.default_local_dir={run_dir}",
-        f"actor_rollout_ref.model.path={model}",
-        "trainer.total_training_steps=1",
-        "trainer.test_freq=-1",
-        "trainer.val_before_train=false",
-        "sft.enable=false",
-        "data.train_batch_size=4",
-        "data.shuffle=false",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        *extra,
-    ]
+    return short_run_overrides(run_dir, f"actor_rollout_ref.model.path={model}", *extra)
 
 
 def _train(*overrides: str):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _short_run import short_run_overrides
 
 from agentrl import AgentFlow, EvalOutput, Evaluator
 from agentrl.config import load_config
@@ -69,21 +70,7 @@ class RunRecord:
 
 def _run(run_dir: Path, *extra: str) -> RunRecord:
     config = load_config(
-        [
-            "trainer.logger=[console]",
-            f"trainer.default_local_dir={run_dir}",
-            "trainer.backend=ray",
-            "trainer.total_training_steps=1",
-            "trainer.test_freq=-1",
-            "trainer.val_before_train=false",
-            "sft.enable=false",
-            "data.train_batch_size=4",
-            "data.shuffle=false",
-            "actor_rollout_ref.rollout.n=4",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-            *extra,
-        ],
+        short_run_overrides(run_dir, "trainer.backend=ray", *extra),
         config_path=REPO / "configs" / "arithmetic.yaml",
     )
     rows = load_dataset_rows(config.data.train_files)
