@@ -27,7 +27,7 @@ class ModelConfig(_Section):
     lora_alpha: int = Field(16, ge=1)
     """LoRA scaling alpha."""
     target_modules: str | list[str] = "all-linear"
-    """Modules LoRA adapts: `all-linear` or a list of module names."""
+    """Modules LoRA adapts: `all-linear` (on a vision-language policy, its language model's linear layers) or a list of module names."""
     freeze_vision_tower: bool | None = None
     """Vision-language policies: keep the vision tower's weights fixed. null: frozen with LoRA, trained without."""
     enable_gradient_checkpointing: bool = False

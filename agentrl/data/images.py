@@ -1,6 +1,6 @@
 """Images for vision-language policies: loading, Qwen-VL resizing, data URLs and pixel inputs.
 
-One path from an image reference to the tensors a Qwen2-VL model reads, used by the dataset, the
+One path from an image reference to the tensors a Qwen2-VL or Qwen3-VL model reads, used by the dataset, the
 engine and training alike, so the pixels training sees are the ones the engine saw:
 
 1. `load_image`: a PIL image, a local path, `file://` or a `data:` base64 URL (offline: http(s) is

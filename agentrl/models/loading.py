@@ -68,7 +68,7 @@ def _is_vision_language(config: Any) -> bool:
 
 
 def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu", **kwargs: Any):
-    """Load a causal LM (or, for a Qwen2-VL folder, the image-text-to-text model) in eval mode.
+    """Load a causal LM (or, for a vision-language folder, the image-text-to-text model) in eval mode.
 
     Callers that train switch it to `.train()`; keeping eval as the default means a freshly loaded
     model generates deterministically (no dropout) wherever it is used. Weights load straight onto
@@ -88,8 +88,8 @@ def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu", **kwa
 def load_processor(path: str, **kwargs: Any):
     """`AutoProcessor.from_pretrained` on the resolved path (image processor + tokenizer for VL models).
 
-    Where the video processor cannot load (no torchvision, as on CPU-only machines) a Qwen2-VL
-    folder gets the same processor without its video half (see `vision.build_image_only_processor`).
+    Where the video processor cannot load (no torchvision, as on CPU-only machines) a Qwen2-VL, Qwen2.5-VL
+    or Qwen3-VL folder gets the same processor without its video half (`vision.build_image_only_processor`).
     """
     from transformers import AutoConfig, AutoProcessor
 
@@ -98,9 +98,9 @@ def load_processor(path: str, **kwargs: Any):
     try:
         return AutoProcessor.from_pretrained(resolved, **kwargs)
     except ImportError as exc:
-        model_type = getattr(AutoConfig.from_pretrained(resolved), "model_type", None)
-        if "torchvision" not in str(exc).lower() or model_type != "qwen2_vl":
-            raise
-        from agentrl.models.vision import build_image_only_processor
+        from agentrl.models.vision import build_image_only_processor, has_image_only_processor
 
-        return build_image_only_processor(resolved)
+        model_type = getattr(AutoConfig.from_pretrained(resolved), "model_type", None)
+        if "torchvision" not in str(exc).lower() or not has_image_only_processor(model_type):
+            raise
+        return build_image_only_processor(resolved, model_type)

@@ -31,10 +31,12 @@ _BUILD_VERSION = 1
 
 @dataclass(frozen=True)
 class TinyPreset:
-    """A build recipe. `text` holds Qwen2 text-model config fields; `vision` (if set) makes a Qwen2-VL."""
+    """A build recipe: `family` picks the transformers classes (a key of `_BUILDERS`), `text` holds the text
+    model's config fields and `vision` (set for the vision-language families) the vision tower's."""
 
     name: str
     text: dict[str, Any]
+    family: str = "qwen2"
     vision: dict[str, Any] | None = None
     image_processor: dict[str, Any] | None = None
     vocab_size: int = tok_lib.DEFAULT_VOCAB_SIZE
@@ -44,6 +46,7 @@ class TinyPreset:
         return {
             "build_version": _BUILD_VERSION,
             "name": self.name,
+            "family": self.family,
             "text": self.text,
             "vision": self.vision,
             "image_processor": self.image_processor,
@@ -120,6 +123,7 @@ PRESETS: dict[str, TinyPreset] = {
     ),
     "qwen2-vl": TinyPreset(
         name="qwen2-vl",
+        family="qwen2-vl",
         text={**_QWEN2_TEXT, "num_hidden_layers": 2},
         vision={
             "depth": 2,
@@ -138,6 +142,7 @@ PRESETS: dict[str, TinyPreset] = {
     # tokenizer: the VLM cookbook's GPU run (docs/vlm.md). Images up to 448x448 pixels (256 tokens).
     "qwen2-vl-2b-shape": TinyPreset(
         name="qwen2-vl-2b-shape",
+        family="qwen2-vl",
         text=_QWEN25_1P5B_TEXT,
         vision={
             "depth": 32,
@@ -151,6 +156,38 @@ PRESETS: dict[str, TinyPreset] = {
         },
         image_processor={"min_pixels": 56 * 56, "max_pixels": 448 * 448},
         extra={"mrope_section": [16, 24, 24]},
+    ),
+    # Qwen3-VL at tiny-qwen2-vl's size: the same 2-layer language model (head_dim set: Qwen3 does not derive it),
+    # interleaved mrope over its 16 rotary frequencies, a 2-block vision tower whose both blocks feed deepstack
+    # features into the first two decoder layers, and Qwen3-VL's 16-pixel patches.
+    "qwen3-vl": TinyPreset(
+        name="qwen3-vl",
+        family="qwen3-vl",
+        text={
+            **{k: v for k, v in _QWEN2_TEXT.items() if k != "rope_theta"},
+            "num_hidden_layers": 2,
+            "head_dim": 32,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+            },
+        },
+        vision={
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 4,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+            "num_position_embeddings": 256,
+            "deepstack_visual_indexes": [0, 1],
+        },
+        # 64*64 .. 256*256 pixels -> 4 .. 64 image tokens after the 2x2 merge of 16-pixel patches.
+        image_processor={"min_pixels": 64 * 64, "max_pixels": 256 * 256},
     ),
 }
 
@@ -229,10 +266,7 @@ def build_tiny_model(preset: TinyPreset, seed: int, folder: str | Path) -> None:
     }
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if preset.vision is None:
-            model = _build_qwen2(preset, common)
-        else:
-            model = _build_qwen2_vl(preset, common, ids)
+        model = _BUILDERS[preset.family](preset, common, ids)
     model.generation_config.eos_token_id = [ids[tok_lib.EOS_TOKEN], ids[tok_lib.PAD_TOKEN]]
     model.generation_config.pad_token_id = ids[tok_lib.PAD_TOKEN]
     model.generation_config.bos_token_id = None
@@ -245,7 +279,7 @@ def build_tiny_model(preset: TinyPreset, seed: int, folder: str | Path) -> None:
     (folder / "agentrl_recipe.json").write_text(json.dumps({**preset.recipe(), "seed": seed}, indent=1))
 
 
-def _build_qwen2(preset: TinyPreset, common: dict[str, Any]):
+def _build_qwen2(preset: TinyPreset, common: dict[str, Any], ids: dict[str, int]):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -264,11 +298,36 @@ def _build_qwen2_vl(preset: TinyPreset, common: dict[str, Any], ids: dict[str, i
     config = Qwen2VLConfig(
         text_config={**preset.text, **common, "rope_scaling": mrope},
         vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=preset.text["tie_word_embeddings"],
+        **_vision_token_ids(ids),
         **common,
     )
     return Qwen2VLForConditionalGeneration(config).to(torch.float32).eval()
+
+
+def _build_qwen3_vl(preset: TinyPreset, common: dict[str, Any], ids: dict[str, int]):
+    """Qwen3-VL: the vision tower's width is its own (`hidden_size`), its merger projects to the text width."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    vision = {**preset.vision, "out_hidden_size": preset.text["hidden_size"]}
+    config = Qwen3VLConfig(
+        text_config={**preset.text, **common},
+        vision_config=vision,
+        tie_word_embeddings=preset.text["tie_word_embeddings"],
+        **_vision_token_ids(ids),
+    )
+    return Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
+
+
+def _vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
+    """The image/video pad and vision start/end ids of the offline tokenizer, as VL configs name them."""
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+_BUILDERS = {"qwen2": _build_qwen2, "qwen2-vl": _build_qwen2_vl, "qwen3-vl": _build_qwen3_vl}

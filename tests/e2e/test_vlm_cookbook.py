@@ -2,7 +2,8 @@
 
 Needs `agentrl_vlm` installed (`make setup` installs `cookbooks/vlm` editable). A shortened run: pictures are
 drawn under the run folder, the warm start teaches the one-digit format, GRPO runs a few steps with the
-two-turn ZoomFlow (its answer rows hold two images), and the trainer's log-probs match the engine's.
+two-turn ZoomFlow (its answer rows hold two images), and the trainer's log-probs match the engine's. Runs on the
+config's model (tiny:qwen2-vl) and on tiny:qwen3-vl (about a minute each on 2 CPU cores).
 """
 
 import subprocess
@@ -18,9 +19,11 @@ TRAIN = REPO / "cookbooks" / "vlm" / "train.py"
 
 
 @pytest.mark.slow
-def test_train_py_draws_pictures_warm_starts_and_trains(tmp_path):
+@pytest.mark.parametrize("model", [None, "tiny:qwen3-vl"], ids=["config-qwen2-vl", "qwen3-vl"])
+def test_train_py_draws_pictures_warm_starts_and_trains(tmp_path, model):
     run_dir = tmp_path / "run"
     overrides = [
+        *([f"actor_rollout_ref.model.path={model}"] if model else []),
         "trainer.total_training_steps=2",
         "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=4",

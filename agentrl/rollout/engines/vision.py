@@ -10,8 +10,10 @@ engine's running batch for such models, calls it when admitted prompts carry ima
 tower's features replace the pad embeddings, and positions are the model's multimodal rotary
 positions (`get_rope_index`: three components t/h/w over image tokens, text after an image continuing
 from the image's largest position). Each row's next position is its largest position + 1, so the
-ordinary decode step (one position per row, which Qwen2-VL broadcasts to all three components) goes on
-from there; decode needs nothing image-specific.
+ordinary decode step (one position per row, which Qwen2-VL and Qwen3-VL broadcast to all three components)
+goes on from there; decode needs nothing image-specific. Qwen3-VL's deepstack features (vision-block outputs
+added to the image tokens' hidden states in the first decoder layers) are applied by the model in this same
+forward, from the same pixels.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The embedded engine with images: pads expanded, vision tower and mrope in prefill, raw logprobs exact."""
+"""The embedded engine with images: pads expanded, vision tower and mrope in prefill, raw logprobs exact.
+
+Every test runs on both tiny families: Qwen2-VL and Qwen3-VL (deepstack features, interleaved mrope).
+"""
 
 import asyncio
 
@@ -14,12 +17,11 @@ from agentrl.rollout.engines.vision import build_image_prompt, collect_image_ref
 from agentrl.types import SamplingParams
 
 pytestmark = pytest.mark.slow
-MODEL = "tiny:qwen2-vl"
 
 
-def _diverse_vl_model():
+def _diverse_vl_model(spec: str):
     """The tiny VL preset with larger random weights, so greedy text depends on the picture."""
-    model = load_causal_lm(MODEL)
+    model = load_causal_lm(spec)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
@@ -34,10 +36,10 @@ def _picture(colour: str, size=(90, 60)) -> Image.Image:
     return image
 
 
-@pytest.fixture(scope="module")
-def setup():
-    model = _diverse_vl_model()
-    tokenizer = load_tokenizer(MODEL)
+@pytest.fixture(scope="module", params=["tiny:qwen2-vl", "tiny:qwen3-vl"])
+def setup(request):
+    model = _diverse_vl_model(request.param)
+    tokenizer = load_tokenizer(request.param)
     engine = EmbeddedEngine(model, tokenizer, max_num_seqs=16, max_model_len=256)
     yield model, tokenizer, engine
     engine.close()

@@ -1,4 +1,4 @@
-"""GRPO on tiny:qwen2-vl from image rows: pixels reach the engine and the update, whose log-probs match the engine's.
+"""GRPO on tiny:qwen2-vl and tiny:qwen3-vl from image rows: pixels reach the engine and the update, whose log-probs match the engine's.
 
 Rows are verl-format Python rows with PIL images beside `<image>` placeholders; the flow makes two calls (the
 second adds a crop of the picture), so merged rows carry several images. With one on-policy mini-batch the
@@ -62,10 +62,11 @@ def odd_length(task, episode):
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_grpo_on_image_rows_runs_two_steps(tmp_path: Path, lora: bool):
+@pytest.mark.parametrize("model", ["tiny:qwen2-vl", "tiny:qwen3-vl"])
+def test_grpo_on_image_rows_runs_two_steps(tmp_path: Path, model: str, lora: bool):
     run_dir = tmp_path / "run"
     overrides = [
-        "actor_rollout_ref.model.path=tiny:qwen2-vl",
+        f"actor_rollout_ref.model.path={model}",
         "data.return_multi_modal_inputs=true",
         "data.train_batch_size=2",
         "data.shuffle=false",

@@ -33,3 +33,8 @@ def qwen2_path(model_cache):
 @pytest.fixture(scope="session")
 def vl_path(model_cache):
     return resolve_model_path("tiny:qwen2-vl")
+
+
+@pytest.fixture(scope="session")
+def vl3_path(model_cache):
+    return resolve_model_path("tiny:qwen3-vl")

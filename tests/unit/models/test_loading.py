@@ -41,8 +41,32 @@ def test_vl_folder_has_processor_files(vl_path):
     assert model_config["image_token_id"] == 9 and model_config["vision_start_token_id"] == 7
 
 
-def test_vl_processor_generate_and_backward(vl_path):
-    processor = load_processor(vl_path)
+def test_qwen3_vl_folder_has_its_processor_and_deepstack_config(vl3_path):
+    import json
+
+    config = json.load(open(f"{vl3_path}/preprocessor_config.json"))
+    assert (config["min_pixels"], config["max_pixels"], config["patch_size"]) == (64 * 64, 256 * 256, 16)
+    assert config["processor_class"] == "Qwen3VLProcessor" and config["image_mean"] == [0.5] * 3
+    model_config = json.load(open(f"{vl3_path}/config.json"))
+    assert model_config["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    assert model_config["image_token_id"] == 9 and model_config["vision_start_token_id"] == 7
+    text, vision = model_config["text_config"], model_config["vision_config"]
+    assert vision["out_hidden_size"] == text["hidden_size"] == 128
+    assert vision["deepstack_visual_indexes"] == [0, 1]
+    rope = text["rope_parameters"]
+    assert rope["mrope_interleaved"] is True and sum(rope["mrope_section"]) == 32 // 2  # head_dim / 2
+    assert model_config["tie_word_embeddings"] is True
+
+
+# 80x100 pixels -> resized to multiples of patch x merge -> (grid, image tokens after the 2x2 merge, patch size).
+# Qwen2-VL: 84x112 -> 6x8 patches of 14 -> 12 tokens. Qwen3-VL: 64x96 -> 4x6 patches of 16 -> 6 tokens.
+@pytest.mark.parametrize(
+    ("fixture", "grid", "tokens", "patch"),
+    [("vl_path", [1, 6, 8], 12, 14), ("vl3_path", [1, 4, 6], 6, 16)],
+)
+def test_vl_processor_generate_and_backward(request, fixture, grid, tokens, patch):
+    path = request.getfixturevalue(fixture)
+    processor = load_processor(path)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == (
@@ -50,12 +74,11 @@ def test_vl_processor_generate_and_backward(vl_path):
         "<|im_start|>assistant\n"
     )
     inputs = processor(text=[text], images=[make_image()], return_tensors="pt")
-    # 80x100 -> resized to 84x112 (multiples of 28) -> 6x8 patches of 14 -> 12 tokens after 2x2 merge.
-    assert inputs["image_grid_thw"].tolist() == [[1, 6, 8]]
-    assert (inputs["input_ids"] == 9).sum().item() == 12
-    assert inputs["pixel_values"].shape == (48, 3 * 2 * 14 * 14)
+    assert inputs["image_grid_thw"].tolist() == [grid]
+    assert (inputs["input_ids"] == 9).sum().item() == tokens
+    assert inputs["pixel_values"].shape == (tokens * 4, 3 * 2 * patch * patch)
 
-    model = load_causal_lm(vl_path)
+    model = load_causal_lm(path)
     out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 4
     model.train()
