@@ -26,6 +26,9 @@ PROMPT_LIMIT_CODE = "max_prompt_length_exceeded"
 the server's `max_model_len`); the collector ends such an episode as `max_prompt_length_exceeded`."""
 PROMPT_LIMIT_FIELD = "agentrl_max_prompt_tokens"
 """agentrl's extension: the longest prompt, in tokens, the server may generate for (the gateway sets it)."""
+FINAL_BODY_FIELD = "agentrl_final_body"
+"""agentrl's extension: a streamed answer ends, before `[DONE]`, with one event `{"agentrl_final_body": body}`
+where body is what the same request would have answered unstreamed (the gateway records its trace from it)."""
 
 
 class _Lenient(BaseModel):
@@ -159,6 +162,8 @@ class ChatCompletionRequest(SamplingFields):
     agentrl_continuation: ContinuationIn | None = None
     agentrl_max_prompt_tokens: int | None = Field(None, ge=1)
     """`PROMPT_LIMIT_FIELD`: a longer prompt is refused with code `PROMPT_LIMIT_CODE` before generating."""
+    agentrl_final_body: bool = False
+    """`FINAL_BODY_FIELD`: with `stream`, end the stream with the whole unstreamed response body."""
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -174,6 +179,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     agentrl_max_prompt_tokens: int | None = Field(None, ge=1)
     """`PROMPT_LIMIT_FIELD`: a longer prompt is refused with code `PROMPT_LIMIT_CODE` before generating."""
+    agentrl_final_body: bool = False
+    """`FINAL_BODY_FIELD`: with `stream`, end the stream with the whole unstreamed response body."""
 
 
 def top_logprobs_error(logprobs: bool | None, top_logprobs: int | None) -> str | None:

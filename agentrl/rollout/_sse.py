@@ -5,16 +5,20 @@ incomplete UTF-8 character (a byte-level token can end mid-character) and, when 
 stop strings, the last `len(longest stop) - 1` characters (they might be the start of a stop
 string, which must not be shown). With tools in a chat request, the output is buffered and sent at
 the end as content plus tool-call deltas, because a `<tool_call>` block is only parseable whole.
+With `final_body` (the request's `agentrl_final_body`), the last event before `[DONE]` is
+`{"agentrl_final_body": body}`: the unstreamed answer built from the finished outputs, which the gateway
+records; it is left out when generation failed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from agentrl.rollout._openai_protocol import (
+    FINAL_BODY_FIELD,
     build_chat_logprobs,
     build_completion_logprobs,
     build_error,
@@ -28,6 +32,19 @@ from agentrl.rollout.chat import parse_tool_calls
 def dumps_sse(payload: dict[str, Any] | str) -> str:
     """One server-sent event (`data: ...` and a blank line)."""
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def read_sse(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The `data` of each server-sent event in `lines` (what a client of `dumps_sse` reads back)."""
+    data: list[str] = []
+    async for line in lines:
+        if line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+        elif not line and data:
+            yield "\n".join(data)
+            data = []
+    if data:
+        yield "\n".join(data)
 
 
 class _IncrementalText:
@@ -82,10 +99,20 @@ async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, 
             task.cancel()
 
 
+FinalBody = Callable[[Any, str, int], dict[str, Any]]
+"""(finished outputs, response id, created) -> the unstreamed response body (`app.py` builds both)."""
+
+
 async def stream_chat(
-    server: Any, req: Any, prompt_ids: list[int], events: AsyncIterator[Any], parse_tools: bool, version: int
+    server: Any,
+    req: Any,
+    prompt_ids: list[int],
+    events: AsyncIterator[Any],
+    parse_tools: bool,
+    version: int,
+    final_body: FinalBody | None = None,
 ) -> AsyncIterator[str]:
-    """SSE body of a streamed chat completion (role chunk, content/tool-call deltas, usage, [DONE])."""
+    """SSE body of a streamed chat completion (role chunk, content/tool-call deltas, usage, final body, [DONE])."""
     head = {
         "id": new_id("chatcmpl"),
         "object": "chat.completion.chunk",
@@ -110,10 +137,11 @@ async def stream_chat(
     if req.return_token_ids:
         first["prompt_token_ids"] = prompt_ids
     yield dumps_sse(first)
-    completion_tokens = 0
+    completion_tokens, outputs, failed = 0, [None] * req.n, False
     try:
         async for _, event in _merge([events]):
             completion_tokens += len(event.token_ids)
+            outputs[event.index] = event.output or outputs[event.index]
             text = texts[event.index]
             final = event.output.text if event.output is not None else None
             delta: dict[str, Any] = {}
@@ -150,14 +178,22 @@ async def stream_chat(
             if delta or finish or req.return_token_ids or req.logprobs:
                 yield dumps_sse({**head, "choices": [choice]})
     except Exception as error:  # the stream has started: report in-band, as OpenAI does
+        failed = True
         yield dumps_sse(build_error(f"generation failed: {error}", None, 500))
     if req.stream_options is not None and req.stream_options.include_usage:
         yield dumps_sse({**head, "choices": [], "usage": build_usage(len(prompt_ids), completion_tokens)})
+    if final_body is not None and not failed:
+        yield dumps_sse({FINAL_BODY_FIELD: final_body(outputs, head["id"], head["created"])})
     yield dumps_sse("[DONE]")
 
 
 async def stream_completions(
-    server: Any, req: Any, prompts: list[list[int]], streams: list[AsyncIterator[Any]], version: int
+    server: Any,
+    req: Any,
+    prompts: list[list[int]],
+    streams: list[AsyncIterator[Any]],
+    version: int,
+    final_body: FinalBody | None = None,
 ) -> AsyncIterator[str]:
     """SSE body of a streamed /v1/completions call; choice index = prompt number * n + completion."""
     head = {
@@ -170,9 +206,11 @@ async def stream_completions(
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     texts: dict[int, _IncrementalText] = {}
     sent_prompt: set[int] = set()
-    completion_tokens = 0
+    completion_tokens, failed = 0, False
+    outputs: list[list[Any]] = [[None] * req.n for _ in prompts]
     try:
         async for number, event in _merge(streams):
+            outputs[number][event.index] = event.output or outputs[number][event.index]
             index = number * req.n + event.index
             text = texts.setdefault(index, _IncrementalText(server.engine.decode, stops))
             offset = len(text.sent)
@@ -195,8 +233,11 @@ async def stream_completions(
                 choice["token_ids"] = event.token_ids
             yield dumps_sse({**head, "choices": [choice]})
     except Exception as error:
+        failed = True
         yield dumps_sse(build_error(f"generation failed: {error}", None, 500))
     if req.stream_options is not None and req.stream_options.include_usage:
         usage = build_usage(sum(len(p) for p in prompts), completion_tokens)
         yield dumps_sse({**head, "choices": [], "usage": usage})
+    if final_body is not None and not failed:
+        yield dumps_sse({FINAL_BODY_FIELD: final_body(outputs, head["id"], head["created"])})
     yield dumps_sse("[DONE]")

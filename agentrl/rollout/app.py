@@ -5,7 +5,8 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /he
 with the open GET /is_sleeping); GET /metrics (Prometheus text under vLLM's names, `prometheus.py`) and GET /stats (the
 engine's counters as JSON).
 Responses carry `policy_version` (the weights version when the request started) and, with
-`return_token_ids: true`, the exact prompt and completion token ids in vLLM 0.32's fields.
+`return_token_ids: true`, the exact prompt and completion token ids in vLLM 0.32's fields. A stream asked with
+`agentrl_final_body: true` (the gateway's) ends with the whole unstreamed body, built by the same code.
 `tool_choice` naming a function or `"required"`, and `response_format` `json_schema` / `json_object`,
 are served by constrained decoding (`engines/constraints.py`); the forced call comes back as `tool_calls`.
 Bad requests get a 400 in OpenAI's error shape naming the field (`param`); a model name other than
@@ -20,7 +21,8 @@ for it at most `sleep_wait_s` seconds, then get a 503 naming the sleep.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -156,12 +158,17 @@ def _chat_constraint(req: ChatCompletionRequest, tools: list[dict[str, Any]] | N
         raise RequestError(str(error), error.param) from error
 
 
-def _render_chat_request(
-    server: _Server, req: ChatCompletionRequest
-) -> tuple[list[int], bool, ImageInputs | None, bool | str | None]:
-    """Prompt ids (image pads expanded), whether tool calls should be parsed, the prompt's pixels, and whether
-    the prompt continues the ids the request carried (`continuation.py`: True, the reason not, or None when it
-    carried none)."""
+class _RenderedChat(NamedTuple):
+    """A chat request's prompt: its ids (image pads expanded), whether to parse tool calls, its pixels, and
+    whether it continued the ids the request carried (`continuation.py`: True, the reason not, or None)."""
+
+    prompt_ids: list[int]
+    parse_tools: bool
+    images: ImageInputs | None
+    continued: bool | str | None
+
+
+def _render_chat_request(server: _Server, req: ChatCompletionRequest) -> _RenderedChat:
     _refuse_media(server, req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     messages = [m.model_dump(exclude_none=True) | {"content": m.content} for m in req.messages]
@@ -189,14 +196,15 @@ def _render_chat_request(
             field = next((f for f, _ in refs if str(error).startswith(f)), "messages")
             raise RequestError(str(error), field) from error
     server.check_prompt(prompt_ids, "messages", req.agentrl_max_prompt_tokens)
-    return prompt_ids, bool(tools) and req.tool_choice != "none", images, continued
+    return _RenderedChat(prompt_ids, bool(tools) and req.tool_choice != "none", images, continued)
 
 
 async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
     server.check_request(req)
     if error := top_logprobs_error(req.logprobs, req.top_logprobs):
         raise RequestError(f"top_logprobs: {error}", "top_logprobs")
-    prompt_ids, parse_tools, images, continued = _render_chat_request(server, req)
+    rendered = _render_chat_request(server, req)
+    prompt_ids, images = rendered.prompt_ids, rendered.images
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     extra = {"constraint": constraint} if (constraint := _chat_constraint(req, tools)) else {}
     await wait_until_awake(server.engine, server.sleep_wait_s)
@@ -205,14 +213,29 @@ async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
     version = server.engine.policy_version
     if req.stream:
         events = _start(server.engine.stream, prompt_ids, params, top, images, **extra)
-        body = stream_chat(server, req, prompt_ids, events, parse_tools, version)
+        final = partial(_chat_body, server, req, rendered, version) if req.agentrl_final_body else None
+        body = stream_chat(server, req, prompt_ids, events, rendered.parse_tools, version, final)
         return StreamingResponse(body, media_type="text/event-stream")
     outputs = await _run(server.engine.generate, prompt_ids, params, top, images, **extra)
+    return _chat_body(server, req, rendered, version, outputs, new_id("chatcmpl"), now())
+
+
+def _chat_body(
+    server: _Server,
+    req: ChatCompletionRequest,
+    rendered: _RenderedChat,
+    version: int,
+    outputs: list[Any],
+    response_id: str,
+    created: int,
+) -> dict[str, Any]:
+    """The unstreamed chat answer from the engine's finished outputs; a stream with `agentrl_final_body` ends
+    with the same, so the gateway records one thing either way."""
     choices = []
     for i, out in enumerate(outputs):
         message: dict[str, Any] = {"role": "assistant", "content": out.text}
         finish = out.finish_reason
-        if parse_tools:
+        if rendered.parse_tools:
             parsed = parse_tool_calls(out.text)
             message["content"] = parsed.content
             if parsed.tool_calls:
@@ -228,20 +251,20 @@ async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
             choice["token_ids"] = out.token_ids
         choices.append(choice)
     response: dict[str, Any] = {
-        "id": new_id("chatcmpl"),
+        "id": response_id,
         "object": "chat.completion",
-        "created": now(),
+        "created": created,
         "model": req.model or server.model_name,
         "choices": choices,
-        "usage": build_usage(len(prompt_ids), sum(len(o.token_ids) for o in outputs)),
+        "usage": build_usage(len(rendered.prompt_ids), sum(len(o.token_ids) for o in outputs)),
         "policy_version": version,
     }
-    if continued is not None:
-        response[CONTINUED_FIELD] = continued
+    if rendered.continued is not None:
+        response[CONTINUED_FIELD] = rendered.continued
     if req.return_token_ids:
-        response["prompt_token_ids"] = prompt_ids
-        if images is not None:
-            response["prompt_images"] = images.images
+        response["prompt_token_ids"] = rendered.prompt_ids
+        if rendered.images is not None:
+            response["prompt_images"] = rendered.images.images
     return response
 
 
@@ -280,12 +303,26 @@ async def _completions(server: _Server, req: CompletionRequest) -> Any:
     ]
     if req.stream:
         streams = [_start(server.engine.stream, p, sp, top) for p, sp in zip(prompts, params, strict=True)]
+        final = partial(_completion_body, server, req, prompts, version) if req.agentrl_final_body else None
         return StreamingResponse(
-            stream_completions(server, req, prompts, streams, version), media_type="text/event-stream"
+            stream_completions(server, req, prompts, streams, version, final), media_type="text/event-stream"
         )
     results = await asyncio.gather(
         *[_run(server.engine.generate, p, sp, top) for p, sp in zip(prompts, params, strict=True)]
     )
+    return _completion_body(server, req, prompts, version, results, new_id("cmpl"), now())
+
+
+def _completion_body(
+    server: _Server,
+    req: CompletionRequest,
+    prompts: list[list[int]],
+    version: int,
+    results: list[list[Any]],
+    response_id: str,
+    created: int,
+) -> dict[str, Any]:
+    """The unstreamed completions answer from each prompt's finished outputs (also a stream's final body)."""
     choices = []
     for p_index, (prompt_ids, outputs) in enumerate(zip(prompts, results, strict=True)):
         for i, out in enumerate(outputs):
@@ -304,9 +341,9 @@ async def _completions(server: _Server, req: CompletionRequest) -> Any:
             choices.append(choice)
     completion_tokens = sum(len(o.token_ids) for outs in results for o in outs)
     return {
-        "id": new_id("cmpl"),
+        "id": response_id,
         "object": "text_completion",
-        "created": now(),
+        "created": created,
         "model": req.model or server.model_name,
         "choices": choices,
         "usage": build_usage(sum(len(p) for p in prompts), completion_tokens),

@@ -6,8 +6,9 @@ A rollout's client uses base URL `{gateway}/sessions/{session_id}/v1`. For each 
    from config, `max_tokens` is capped, config stop strings/ids are added, `n` is capped,
 3. always asks the server for token ids and logprobs (`return_token_ids`, `logprobs`),
 4. stores one `Trace` per choice under the session (token in, token out; what training uses),
-5. strips what the client did not ask for, so the agent sees an ordinary OpenAI response, and
-   re-emits it as server-sent events when the client asked to stream.
+5. strips what the client did not ask for, so the agent sees an ordinary OpenAI response; with `stream: true`
+   an embedded server's chunks are relayed as they are generated and the call is recorded from the stream's
+   final body, the unstreamed answer (`gateway_stream.py`).
 
 Sessions are registered first (`POST /sessions`, or `TraceStore.open_session` / `Gateway.open_session`
 in-process); a call for an unknown session is a 404, so a straggling request of a finished rollout
@@ -28,17 +29,18 @@ import json
 import time
 import uuid
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from agentrl.data.images import has_image_parts
 from agentrl.rollout._openai_protocol import (
+    FINAL_BODY_FIELD,
     PROMPT_LIMIT_CODE,
     PROMPT_LIMIT_FIELD,
     ChatMessageIn,
@@ -48,11 +50,11 @@ from agentrl.rollout._openai_protocol import (
 )
 from agentrl.rollout.admin_auth import AdminAuthError, build_admin_guard, resolve_admin_token
 from agentrl.rollout.continuation import CONTINUATION_FIELD, CONTINUED_FIELD, SessionTurns
-from agentrl.rollout.pool import RolloutPool
+from agentrl.rollout.gateway_stream import relay_stream, replay_stream, strip_response
+from agentrl.rollout.pool import PoolResponse, RolloutPool
+from agentrl.rollout.pool_stream import PoolStream
 from agentrl.rollout.traces import TraceStore, UnknownSessionError
 from agentrl.types import SamplingParams, TerminationReason, Trace, logprob_count_problem
-
-_TOKEN_FIELDS = ("prompt_token_ids", "token_ids", "prompt_images")
 
 
 class _Common(SamplingFields):
@@ -299,17 +301,47 @@ def build_gateway_app(
         vllm = any(s.engine == "vllm" for s in pool.servers)
         if max_prompt_tokens is not None and not vllm:  # the embedded server refuses before generating
             upstream[PROMPT_LIMIT_FIELD] = max_prompt_tokens
+        path = "/v1/chat/completions" if chat else "/v1/completions"
         started = time.perf_counter()
-        resp = await pool.forward(sid, "/v1/chat/completions" if chat else "/v1/completions", upstream)
-        latency = time.perf_counter() - started
+        if req.stream and not vllm:  # tokens flow through as generated; vLLM's stream lacks the final body
+            upstream.update({"stream": True, FINAL_BODY_FIELD: True})
+            answer = await pool.forward_stream(sid, path, upstream)
+        else:
+            answer = await pool.forward(sid, path, upstream)
+
+        def finish(resp: PoolResponse) -> tuple[int, dict[str, Any]]:
+            return finish_call(sid, raw, req, chat, continuation, resp, time.perf_counter() - started)
+
+        if isinstance(answer, PoolStream):  # closed by the relay, or after the response if never iterated
+            chunks = relay_stream(answer, req, chat=chat, finish=finish)
+            return StreamingResponse(
+                chunks, media_type="text/event-stream", background=BackgroundTask(answer.aclose)
+            )
+        status, body = finish(answer)
+        if status != 200 or not req.stream:
+            return JSONResponse(body, status_code=status)
+        return StreamingResponse(replay_stream(body, req, chat=chat), media_type="text/event-stream")
+
+    def finish_call(
+        sid: str,
+        raw: dict[str, Any],
+        req: Any,
+        chat: bool,
+        continuation: Any,
+        resp: PoolResponse,
+        latency: float,
+    ) -> tuple[int, dict[str, Any]]:
+        """(status, body) for the client from the server's whole answer, streamed or not: the traces recorded,
+        the continuation remembered, a too-long prompt refused; the body stripped of what was not asked."""
         if resp.status == 400 and is_prompt_too_long(resp.body):
             return refuse_prompt(sid, resp.body["error"], "messages" if chat else "prompt")
         if resp.status != 200:
-            return JSONResponse(resp.body, status_code=resp.status)
+            return resp.status, resp.body
         try:
             traces = extract_traces(resp.body, sid, chat=chat, messages=raw.get("messages"))
         except ValueError as e:
-            return _error(502, f"inference server {resp.server} answered without usable token ids: {e}")
+            message = f"inference server {resp.server} answered without usable token ids: {e}"
+            return 502, build_error(message, None, 502)
         longest = max((len(t.prompt_ids) for t in traces), default=0)
         if max_prompt_tokens is not None and longest > max_prompt_tokens:  # vLLM checks only max_model_len
             message = (
@@ -339,18 +371,14 @@ def build_gateway_app(
         body = strip_response(resp.body, req, chat=chat)
         if req.model:
             body["model"] = req.model
-        if not req.stream:
-            return JSONResponse(body)
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = stream_chat(body, usage) if chat else stream_completion(body, usage)
-        return StreamingResponse(chunks, media_type="text/event-stream")
+        return 200, body
 
-    def refuse_prompt(sid: str, error: dict[str, Any], param: str) -> JSONResponse:
+    def refuse_prompt(sid: str, error: dict[str, Any], param: str) -> tuple[int, dict[str, Any]]:
         """The 400 for a prompt over the limit, code `max_prompt_length_exceeded`; counted for the session
         (`TraceStore.refused_prompts`), so a flow that catches it still ends as max_prompt_length_exceeded."""
         trace_store.refuse_prompt(sid)
         message = str(error.get("message") or "the prompt is too long")
-        return _error(400, message, error.get("param") or param, code=PROMPT_LIMIT_CODE)
+        return 400, build_error(message, error.get("param") or param, 400, PROMPT_LIMIT_CODE)
 
     return app
 
@@ -369,7 +397,8 @@ def build_upstream_body(
     """The body sent to the server: the client's request under the mode's sampling settings."""
     body = dict(raw)
     asked = req.requested_max_tokens()
-    body.pop(PROMPT_LIMIT_FIELD, None)  # the gateway's to set (data.max_prompt_length), not the client's
+    for field in (PROMPT_LIMIT_FIELD, FINAL_BODY_FIELD):  # the gateway's to set, not the client's
+        body.pop(field, None)
     body.pop("max_completion_tokens", None)
     body.pop("stream_options", None)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -431,69 +460,6 @@ def extract_traces(body: dict[str, Any], session_id: str, *, chat: bool, message
             )
         )
     return traces
-
-
-def strip_response(body: dict[str, Any], req: Any, *, chat: bool) -> dict[str, Any]:
-    """Remove the token ids and logprobs the client did not ask for."""
-    body = dict(body)
-    body.pop(CONTINUED_FIELD, None)
-    choices = [dict(c) for c in body.get("choices") or []]
-    if not req.return_token_ids:
-        for f in _TOKEN_FIELDS:
-            body.pop(f, None)
-            for c in choices:
-                c.pop(f, None)
-    if (chat and not req.logprobs) or (not chat and req.logprobs is None):
-        for c in choices:
-            c["logprobs"] = None
-    body["choices"] = choices
-    return body
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-def stream_chat(body: dict[str, Any], include_usage: bool) -> Iterator[str]:
-    """A finished chat completion as OpenAI chunks: role, content (+tool calls), finish, usage."""
-    base = {"id": body.get("id"), "object": "chat.completion.chunk", "created": body.get("created"),
-            "model": body.get("model")}  # fmt: skip
-    for c in body["choices"]:
-        i, msg = c.get("index", 0), c.get("message") or {}
-        first: dict[str, Any] = {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                      "logprobs": None, "finish_reason": None}]}  # fmt: skip
-        if "prompt_token_ids" in body:
-            first["prompt_token_ids"] = body["prompt_token_ids"]
-        yield _sse(first)
-        delta: dict[str, Any] = {}
-        if msg.get("content"):
-            delta["content"] = msg["content"]
-        if msg.get("tool_calls"):
-            delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(msg["tool_calls"])]
-        if delta or c.get("logprobs"):
-            part = {"index": i, "delta": delta, "logprobs": c.get("logprobs"), "finish_reason": None}
-            if "token_ids" in c:
-                part["token_ids"] = c["token_ids"]
-            yield _sse({**base, "choices": [part]})
-        yield _sse({**base, "choices": [{"index": i, "delta": {}, "logprobs": None,
-                                         "finish_reason": c.get("finish_reason")}]})  # fmt: skip
-    if include_usage:
-        yield _sse({**base, "choices": [], "usage": body.get("usage")})
-    yield "data: [DONE]\n\n"
-
-
-def stream_completion(body: dict[str, Any], include_usage: bool) -> Iterator[str]:
-    """A finished text completion as OpenAI chunks: the text, then the finish reason, then usage."""
-    base = {"id": body.get("id"), "object": "text_completion", "created": body.get("created"),
-            "model": body.get("model")}  # fmt: skip
-    for c in body["choices"]:
-        part = {k: v for k, v in c.items() if k != "finish_reason"}
-        yield _sse({**base, "choices": [{**part, "finish_reason": None}]})
-        yield _sse({**base, "choices": [{"index": c.get("index", 0), "text": "", "logprobs": None,
-                                         "finish_reason": c.get("finish_reason")}]})  # fmt: skip
-    if include_usage:
-        yield _sse({**base, "choices": [], "usage": body.get("usage")})
-    yield "data: [DONE]\n\n"
 
 
 class Gateway:

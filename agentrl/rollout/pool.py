@@ -24,7 +24,8 @@ serves require too). A server whose app
 runs in this process (`uvicorn_thread.find_local_app`) is called in-process through
 `httpx.ASGITransport`: same routes and answers, no TCP hop and no second event loop. Its generation
 routes are called as Python (`server.DirectCalls`): the same answer as a dict, without the ASGI hop and
-the JSON of every token's logprob entry.
+the JSON of every token's logprob entry. Streamed requests (`forward_stream`) always go over HTTP, since
+`httpx.ASGITransport` delivers a response only once it is complete; they fail over until the first event.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import httpx
 from agentrl.rollout._openai_protocol import build_error
 from agentrl.rollout.admin_auth import admin_headers, resolve_admin_token
 from agentrl.rollout.engines.vllm import describe_exit, engine_dead_reason
+from agentrl.rollout.pool_stream import PoolStream
 from agentrl.rollout.uvicorn_thread import InProcessFirstTransport, find_local_app
 
 log = logging.getLogger(__name__)
@@ -132,7 +134,7 @@ class RolloutPool:
         self._sticky: dict[str, ServerState] = {}
         self._admin = _AdminState()
         self._probes: set[asyncio.Task] = set()
-        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[bool, httpx.AsyncClient]] = (
             weakref.WeakKeyDictionary()
         )
         self._transport = transport
@@ -225,6 +227,23 @@ class RolloutPool:
         anywhere). After `max_retries` failovers, or with no healthy server, returns a 503 whose
         body says what went wrong on each server.
         """
+        return await self._route(session_id, lambda state: self._post(state, path, json_body))
+
+    async def forward_stream(
+        self, session_id: str, path: str, json_body: dict[str, Any]
+    ) -> PoolResponse | PoolStream:
+        """`forward` for a `stream: true` body: routed and failed over the same way until the server's first
+        event arrives, then a `PoolStream` of its events (no failover after that byte). A JSON answer (a 4xx,
+        the 503 of no healthy server) comes back as a `PoolResponse`, exactly as `forward` returns it.
+
+        Always over HTTP, also to a server of this process: `httpx.ASGITransport` holds a response back until
+        it is complete, which would turn the stream into one late burst.
+        """
+        return await self._route(session_id, lambda state: self._open_stream(state, path, json_body))
+
+    async def _route(self, session_id: str, attempt: Any) -> Any:
+        """Call `attempt(state)` -> (status, body) or an open `PoolStream` on the session's server, moving to
+        another on a transport error, a timeout or a 5xx, at most `max_retries` times."""
         self.check_processes()
         self._schedule_due_probes()
         tried: list[ServerState] = []
@@ -239,36 +258,64 @@ class RolloutPool:
             tried.append(state)
             state.in_flight += 1
             state.requests += 1
+            answer: Any = None
             try:
                 # asyncio's timeout too: httpx's does not apply to an in-process server.
                 async with asyncio.timeout(self.request_timeout):
-                    answer = await self._call_direct(state.url, path, json_body)
-                    if answer is None:
-                        resp = await self._client().post(
-                            state.url + path, json=json_body, timeout=self.request_timeout
-                        )
-                        answer = resp.status_code, resp.json()
-                status, body = answer
+                    answer = await attempt(state)
             except (httpx.HTTPError, ValueError, TimeoutError) as e:
                 reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 self.mark_unhealthy(state, reason)
                 errors.append(f"{state.url}: {reason}")
                 continue
             finally:
-                state.in_flight -= 1
+                if not isinstance(answer, PoolStream):  # an open stream gives its slot back when it closes
+                    state.in_flight -= 1
+            if isinstance(answer, PoolStream):
+                return answer
+            status, body = answer
             if status >= 500:
-                dead = engine_dead_reason(_error_message(body))
-                if dead is not None:
-                    reason = f"engine died: HTTP {status}: {dead}"
-                    self.mark_engine_dead(state, reason)
-                else:
-                    reason = f"HTTP {status}: {str(body)[:300]}"
-                    self.mark_unhealthy(state, reason)
-                errors.append(f"{state.url}: {reason}")
+                errors.append(f"{state.url}: {self.mark_server_error(state, status, body)}")
                 continue
             return PoolResponse(status, body, state.url, state.policy_version)
         message = "request failed on every server tried: " + ("; ".join(errors) or self._describe_unhealthy())
         return PoolResponse(503, build_error(message, None, 503), "", -1)
+
+    def mark_server_error(self, state: ServerState, status: int, body: Any) -> str:
+        """Take a server that answered a 5xx out of routing (as engine-dead when the body says its engine
+        died); returns the reason recorded."""
+        dead = engine_dead_reason(_error_message(body))
+        if dead is not None:
+            reason = f"engine died: HTTP {status}: {dead}"
+            self.mark_engine_dead(state, reason)
+        else:
+            reason = f"HTTP {status}: {str(body)[:300]}"
+            self.mark_unhealthy(state, reason)
+        return reason
+
+    async def _post(self, state: ServerState, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        answer = await self._call_direct(state.url, path, body)
+        if answer is None:
+            resp = await self._client().post(state.url + path, json=body, timeout=self.request_timeout)
+            answer = resp.status_code, resp.json()
+        return answer
+
+    async def _open_stream(
+        self, state: ServerState, path: str, body: dict[str, Any]
+    ) -> tuple[int, Any] | PoolStream:
+        client = self._client(network=True)
+        request = client.build_request("POST", state.url + path, json=body, timeout=self.request_timeout)
+        response = await client.send(request, stream=True)
+        try:
+            if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                await response.aread()
+                return response.status_code, response.json()
+            stream = PoolStream(self, state, response)
+            await stream.peek()  # a server that drops before its first event fails over like any other
+        except BaseException:
+            await response.aclose()
+            raise
+        return stream
 
     async def _call_direct(self, url: str, path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
         """The answer of an embedded server this process serves, called as Python (`server.DirectCalls`: no
@@ -286,32 +333,34 @@ class RolloutPool:
                 "error": {"message": f"{type(error).__name__}: {error}", "type": "InternalServerError"}
             }
 
-    def _client(self) -> httpx.AsyncClient:
+    def _client(self, network: bool = False) -> httpx.AsyncClient:
         """One client per event loop: the gateway's loop forwards while the trainer's loop may
-        broadcast weight updates from another thread at the same time."""
+        broadcast weight updates from another thread at the same time. `network`: the one that never takes
+        the in-process shortcut (streams)."""
         loop = asyncio.get_running_loop()
         for stale in [other for other in self._clients if other.is_closed()]:
             self._clients.pop(stale)  # a finished `asyncio.run` (a training step's collection)
-        client = self._clients.get(loop)
+        clients = self._clients.setdefault(loop, {})
+        in_process = self._in_process and not network
+        client = clients.get(in_process)
         if client is None:
             transport = self._transport
             if transport is None:
                 limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
                 transport = (
                     InProcessFirstTransport(lambda: httpx.AsyncHTTPTransport(limits=limits))
-                    if self._in_process
+                    if in_process
                     else httpx.AsyncHTTPTransport(limits=limits)
                 )
             client = httpx.AsyncClient(timeout=self.request_timeout, transport=transport)
-            self._clients[loop] = client
+            clients[in_process] = client
         return client
 
     async def aclose(self) -> None:
-        """Close this loop's HTTP client and cancel pending probes."""
+        """Close this loop's HTTP clients and cancel pending probes."""
         for task in list(self._probes):
             task.cancel()
-        client = self._clients.pop(asyncio.get_running_loop(), None)
-        if client is not None:
+        for client in self._clients.pop(asyncio.get_running_loop(), {}).values():
             await client.aclose()
 
     # ---- health --------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Gateway pieces: sampling enforcement, trace extraction, response stripping, SSE, sessions, TraceStore.
+"""Gateway pieces: sampling enforcement, trace extraction, stripping, SSE replay, sessions, TraceStore.
 
 The HTTP tests put the gateway in front of a small in-process server that answers like vLLM 0.32
 (`prompt_token_ids` top-level for chat, per choice for completions; `choices[i].token_ids`).
@@ -27,9 +27,8 @@ from agentrl.rollout.gateway import (
     extract_traces,
     is_prompt_too_long,
     refusal_reason,
-    stream_chat,
-    strip_response,
 )
+from agentrl.rollout.gateway_stream import replay_stream, strip_response
 from agentrl.rollout.pool import RolloutPool
 from agentrl.rollout.traces import TraceStore, UnknownSessionError
 from agentrl.types import SamplingParams, TerminationReason, Trace
@@ -112,9 +111,12 @@ def test_strip_response_removes_what_the_client_did_not_ask_for() -> None:
     assert strip_response(_chat_response(), asked, chat=True) == _chat_response()
 
 
-def test_stream_chat_emits_openai_chunks() -> None:
-    body = strip_response(_chat_response(), _ChatBody.model_validate({"messages": MSG}), chat=True)
-    events = list(stream_chat(body, include_usage=True))
+def test_replay_stream_emits_openai_chunks() -> None:
+    req = _ChatBody.model_validate(
+        {"messages": MSG, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    body = strip_response(_chat_response(), req, chat=True)
+    events = list(replay_stream(body, req, chat=True))
     assert events[-1] == "data: [DONE]\n\n"
     chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert [c["choices"][0]["delta"] for c in chunks[:3]] == [
