@@ -293,10 +293,20 @@ class RolloutPool:
             self.mark_unhealthy(state, reason)
         return reason
 
+    def _generation_headers(self, state: ServerState) -> dict[str, str]:
+        """vLLM guards its /v1 routes with the run's token (`VLLM_API_KEY`, set at launch); agentrl's own
+        servers want it on admin routes only."""
+        return admin_headers(self._admin_token) if state.engine == "vllm" else {}
+
     async def _post(self, state: ServerState, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         answer = await self._call_direct(state.url, path, body)
         if answer is None:
-            resp = await self._client().post(state.url + path, json=body, timeout=self.request_timeout)
+            resp = await self._client().post(
+                state.url + path,
+                json=body,
+                headers=self._generation_headers(state),
+                timeout=self.request_timeout,
+            )
             answer = resp.status_code, resp.json()
         return answer
 
@@ -304,7 +314,13 @@ class RolloutPool:
         self, state: ServerState, path: str, body: dict[str, Any]
     ) -> tuple[int, Any] | PoolStream:
         client = self._client(network=True)
-        request = client.build_request("POST", state.url + path, json=body, timeout=self.request_timeout)
+        request = client.build_request(
+            "POST",
+            state.url + path,
+            json=body,
+            headers=self._generation_headers(state),
+            timeout=self.request_timeout,
+        )
         response = await client.send(request, stream=True)
         try:
             if not response.headers.get("content-type", "").startswith("text/event-stream"):

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.rollout.admin_auth import admin_headers, process_admin_token
+
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
 _LOG_TAIL_LINES = 40
 DTYPE_KEY = "actor_rollout_ref.rollout.vllm.dtype"
@@ -206,6 +208,7 @@ def build_vllm_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    env["VLLM_API_KEY"] = process_admin_token()  # vLLM's own guard (its /v1 routes); the pool sends it
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -401,7 +404,7 @@ def _probe_first_generation(server: VLLMServer, *, timeout: float) -> None:
     request = urllib.request.Request(
         f"{server.url}/v1/completions",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **admin_headers(process_admin_token())},
         method="POST",
     )
     status, timed_out = 0, False

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
+from agentrl.rollout.admin_auth import admin_headers, process_admin_token
+
 if TYPE_CHECKING:
     pass
 
@@ -69,7 +71,12 @@ def probe_server(
         "return_token_ids": True,
     }
     request = urllib.request.Request(
-        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={
+            "Content-Type": "application/json",
+            **admin_headers(process_admin_token()),
+        },  # vLLM's api key
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:

@@ -15,6 +15,7 @@ import socket
 from abc import ABC, abstractmethod
 from typing import Any
 
+from agentrl.rollout.admin_auth import ADMIN_TOKEN_ENV, process_admin_token
 from agentrl.training.update.assembly import TrainBatch
 from agentrl.training.workers.dispatch import gather_outputs, split_batch
 
@@ -154,6 +155,8 @@ class RayWorkerGroup(WorkerGroup):
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=group, placement_group_bundle_index=index
                 ),
+                # one admin token for the whole run: the controller's pool calls the workers' servers
+                runtime_env={"env_vars": {ADMIN_TOKEN_ENV: process_admin_token()}},
             ).remote()
             for group, index in bundles
         ]

@@ -7,8 +7,10 @@ import logging
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 
+from agentrl.rollout.admin_auth import admin_headers, process_admin_token
 from agentrl.rollout.engines.vllm import VLLMStartupError, launch_vllm_servers
 
 REPO = Path(__file__).resolve().parents[3]
@@ -71,6 +73,14 @@ def test_auto_dtype_keeps_bfloat16_where_the_first_generation_works(tmp_path: Pa
         assert server.is_running() and servers.dtype == server.dtype
         assert f"--dtype {server.dtype} " in " ".join(server.process.args) + " "
         assert re.search(r'"POST /v1/completions HTTP/1\.1" 200', server.log_path.read_text())  # the probe
+        # vLLM's own guard carries the run's token (VLLM_API_KEY): its /v1 routes refuse a caller without it
+        body = {"model": "tiny:qwen2", "prompt": "Hi", "max_tokens": 1}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 401
+        headers = admin_headers(process_admin_token())
+        assert (
+            httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60).status_code
+            == 200
+        )
     warnings = [r.getMessage() for r in caplog.records if r.name == "agentrl.rollout.engines.vllm"]
     if {"avx512_bf16", "amx_bf16"} & _cpu_flags() and server.dtype == "float32":
         assert len(warnings) == 1 and "bfloat16 killed the server" in warnings[0]
