@@ -52,15 +52,16 @@ def _gateway(handle, max_tokens: int = 8, **kwargs) -> Gateway:
     return Gateway(pool, sampling_train=sampling, **kwargs).start()
 
 
-def _client(gateway: Gateway) -> tuple[str, openai.OpenAI]:
-    url = gateway.open_session()
+def _client(gateway: Gateway, session_id: str | None = None) -> tuple[str, openai.OpenAI]:
+    url = gateway.open_session(session_id)
     return url.split("/sessions/")[1].split("/")[0], openai.OpenAI(base_url=url, api_key="x", max_retries=0)
 
 
 def _talk(client, turns: int, tools=None, tool_choice=None) -> list[dict]:
     messages = [SYSTEM, {"role": "user", "content": "What is 2 + 3?"}]
     for turn in range(turns):
-        extra = {"tools": tools, "tool_choice": tool_choice} if tools else {}
+        # one call per turn: with parallel calls allowed a random model may not close them within max_tokens
+        extra = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": False} if tools else {}
         reply = client.chat.completions.create(model=MODEL, messages=messages, **extra).choices[0].message
         said = reply.model_dump(exclude_none=True)
         if reply.tool_calls:
@@ -122,7 +123,7 @@ def test_tool_calls_continue_from_the_ids_that_produced_them(server):
     _, handle = server
     gateway = _gateway(handle, max_tokens=120)  # room for a whole forced call
     try:
-        sid, client = _client(gateway)
+        sid, client = _client(gateway, "tool-calls")  # a fixed session: the same sampling seeds every run
         _talk(client, 3, tools=TOOLS, tool_choice="required")
         traces = gateway.session_traces(sid)
         assert all(t.tool_calls for t in traces)
