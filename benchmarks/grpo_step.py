@@ -243,6 +243,22 @@ def _trl_lora(rank: int):
     )
 
 
+def run_trainer_process(
+    script: str, argv: list[str], name: str, *, show_log: bool = False
+) -> tuple[dict, str]:
+    """Run `script argv --only name` in a fresh Python (so its peak memory and start-up are its own); returns the
+    dict it printed on its `RESULT <json>` line and its whole stdout. With `show_log` its stderr (the trainer's
+    log) goes to this terminal as it runs. Exits, with the stderr's tail when captured, if it failed."""
+    command = [sys.executable, script, *argv, "--only", name]
+    done = subprocess.run(
+        command, stdout=subprocess.PIPE, stderr=None if show_log else subprocess.PIPE, text=True
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        sys.exit(f"{name} failed (exit {done.returncode}):\n{(done.stderr or '(its log is above)')[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :]), done.stdout
+
+
 def summarise(runs: list[dict]) -> dict:
     step = [s for r in runs for s in r["step_s"]]
     gen = [s for r in runs for s in r["gen_s"]]
@@ -297,14 +313,10 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in args.trainers}
     for round_index in range(args.rounds):
         for name in args.trainers if round_index % 2 == 0 else args.trainers[::-1]:
-            command = [sys.executable, __file__, *sys.argv[1:], "--only", name]
-            done = subprocess.run(command, capture_output=True, text=True)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode != 0 or not lines:
-                sys.exit(f"{name} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-            runs[name].append(json.loads(lines[-1][len("RESULT ") :]))
+            result, stdout = run_trainer_process(__file__, sys.argv[1:], name)
+            runs[name].append(result)
             print(f"round {round_index + 1}: {name} steps {[round(s, 2) for s in runs[name][-1]['step_s']]}")
-            print("\n".join(line for line in done.stdout.splitlines() if line.startswith("MEMORY ")))
+            print("\n".join(line for line in stdout.splitlines() if line.startswith("MEMORY ")))
     table = {name: summarise(r) for name, r in runs.items()}
     print(
         f"{args.model} {args.dtype} on {args.device}: {args.prompts} prompts x {args.n} answers x {args.max_tokens}"
