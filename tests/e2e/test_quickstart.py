@@ -104,8 +104,9 @@ def test_quickstart_runs_as_written(tmp_path, monkeypatch, served_policy):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the doc promises mlflow.db in the run folder
     namespace: dict = {"__name__": "quickstart"}
+    port = served_policy.rsplit(":", 1)[1]  # serve names its token file after the port it bound
     for index, code in enumerate(runnable_python_blocks(DOC.read_text())):
-        code = code.replace(DOC_BASE_URL, served_policy)
+        code = code.replace(DOC_BASE_URL, served_policy).replace("admin_token_8000", f"admin_token_{port}")
         exec(compile(code, f"{DOC.name} python block {index}", "exec"), namespace)  # noqa: S102
 
     # Section 6: the flow ran against the served policy and its one call was traced with tokens.
