@@ -161,6 +161,16 @@ def unsupported_settings(config: AgentRLConfig) -> list[str]:
         for key, on in sharded_only.items()
         if on
     ]
+    master_dtypes = {
+        "actor_rollout_ref.actor.fsdp_config.model_dtype": arr.actor.fsdp_config.model_dtype,
+        "critic.fsdp_config.model_dtype": config.critic.fsdp_config.model_dtype,
+    }
+    problems += [
+        f"{key}={dtype}: the master-weight dtype is for FSDP2-sharded workers (the local backend trains "
+        f"actor_rollout_ref.model.dtype); set trainer.backend=ray or leave it null"
+        for key, dtype in master_dtypes.items()
+        if dtype is not None
+    ]
     problems += [
         f"resource_pool_config.{name}={value}: placement needs trainer.backend=ray"
         for name, value in config.resource_pool_config.model_dump().items()

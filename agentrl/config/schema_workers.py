@@ -76,6 +76,8 @@ class ActorFSDPConfig(_Section):
     """Keep optimizer state on CPU between steps."""
     fsdp_size: int = Field(-1, ge=-1)
     """Ranks that shard one copy of the model (verl's key): -1 shards over all ranks; a divisor of the worker count makes it HSDP (sharded within groups of that many ranks, replicated across them; n_gpus_per_node shards within a node)."""
+    model_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Dtype of the sharded master weights, and so of their gradients and AdamW moments (verl's key; trainer.backend=ray): null is float32 under a lower-precision model.dtype on GPU (computing in model.dtype), else model.dtype; bfloat16 halves what parameter and optimizer offload keep (7B: 57 instead of 113 GiB) at the cost of bfloat16 rounding in the update."""
 
 
 class ActorConfig(_Section):

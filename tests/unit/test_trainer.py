@@ -43,6 +43,7 @@ def test_settings_this_version_cannot_honour_are_refused_together(tmp_path):
         "data.return_multi_modal_inputs=true",
         "algorithm.adv_estimator=gae",
         "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16",
         "actor_rollout_ref.hybrid_engine=false",
         f"trainer.default_local_dir={tmp_path}",
     ]
@@ -53,6 +54,7 @@ def test_settings_this_version_cannot_honour_are_refused_together(tmp_path):
     message = str(caught.value)
     assert "data.return_multi_modal_inputs=true with algorithm.adv_estimator=gae" in message
     assert "actor_rollout_ref.actor.fsdp_config.param_offload=true" in message
+    assert "actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16: the master-weight dtype" in message
     assert "actor_rollout_ref.hybrid_engine=false" in message
     assert not any(tmp_path.iterdir())
 

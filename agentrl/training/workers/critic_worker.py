@@ -46,7 +46,10 @@ class CriticWorker:
         offload = critic_cfg.fsdp_config.param_offload
         dtype = config.actor_rollout_ref.model.dtype
         mixed = self.sharded and self.device.type == "cuda" and dtype != "float32"
-        self.model = load_value_model(path, "float32" if mixed else dtype, "cpu" if offload else device)
+        master = critic_cfg.fsdp_config.model_dtype if self.sharded else None
+        self.model = load_value_model(
+            path, master or ("float32" if mixed else dtype), "cpu" if offload else device
+        )
         if critic_cfg.model.enable_gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.sharded:

@@ -91,15 +91,19 @@ class PolicyWorker:
     def _load_policy(self, *, trainable: bool, offload: bool) -> torch.nn.Module:
         """The policy from `model.path`: whole on this device, or FSDP2-sharded over the worker group.
 
-        Sharded on a GPU with a low-precision `model.dtype`, master weights are float32 and compute runs in
-        that dtype (FSDP mixed precision); whole, the model trains in `model.dtype` itself.
+        Sharded on a GPU with a low-precision `model.dtype`, master weights are float32 (or the actor's
+        `fsdp_config.model_dtype`) and compute runs in that dtype (FSDP mixed precision); whole, the model trains in
+        `model.dtype` itself.
         """
         arr = self.config.actor_rollout_ref
         compute_dtype = _DTYPES[arr.model.dtype]
         mixed = self.sharded and self.device.type == "cuda" and compute_dtype != torch.float32
+        master = arr.actor.fsdp_config.model_dtype if trainable and self.sharded else None
         load_device = "cpu" if offload else str(self.device)
         model = load_causal_lm(
-            self.model_path, dtype="float32" if mixed else arr.model.dtype, device=load_device
+            self.model_path,
+            dtype=master or ("float32" if mixed else arr.model.dtype),
+            device=load_device,
         )
         if trainable:
             apply_vision_tower_setting(model, arr.model)
