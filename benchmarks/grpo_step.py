@@ -11,7 +11,9 @@ Each A/B round runs each trainer in its own subprocess (so peak memory is its ow
 first step of every run is warm-up and left out. Reported per trainer: median step time, its generation and
 training parts, generated tokens/s, peak memory, time to the end of the first step from the trainer's
 construction (model load, compilation and graph capture included: the cold start), and the ratio TRL / agentrl
-(above 1: agentrl is faster). `--memory-phases` also prints agentrl's peak GPU memory per worker call
+(above 1: agentrl is faster). agentrl's row also gives its peak host memory (process tree RSS, Ray workers
+included, and the machine's used memory above the start) and nvidia-smi's peak (`memory_phases.PeakSampler`).
+`--memory-phases` also prints agentrl's peak GPU memory per worker call
 (`benchmarks/memory_phases.py`).
 
     python benchmarks/grpo_step.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16 --device cuda   # GPU
@@ -60,6 +62,8 @@ def _first_line_time(path: Path, start: float, stop: threading.Event, found: lis
 
 
 def run_agentrl(args: argparse.Namespace) -> dict:
+    from memory_phases import PeakSampler
+
     from agentrl import AgentTrainer, EvalOutput, SingleTurnChatFlow, evaluator
 
     if args.switch_interval is not None:
@@ -115,7 +119,9 @@ def run_agentrl(args: argparse.Namespace) -> dict:
             daemon=True,
         )
         watcher.start()
+        sampler = PeakSampler().start()
         AgentTrainer(flow=SingleTurnChatFlow(), evaluator=score, train_dataset=rows, config=overrides).train()
+        memory = sampler.stop()
         stop.set()
         history = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     first, *steps = [r for r in history if "timing/step" in r]
@@ -136,6 +142,10 @@ def run_agentrl(args: argparse.Namespace) -> dict:
         "tokens": tokens,
         "peak_gib": max(r.get("perf/max_memory_allocated_gb", 0.0) for r in history)
         or _peak_gib(args.device),
+        "peak_reserved_gib": max(r.get("perf/max_memory_reserved_gb", 0.0) for r in history),
+        "peak_gpu_used_gib": memory["gpu_used"],
+        "peak_host_rss_gib": memory["host_rss"],
+        "peak_host_used_gib": memory["host_used"],
         "first_step_s": first_step[0] if first_step else float("nan"),
         # The first update's figures, for parity between runs that differ only in where they ran (scale.py).
         "first_update": {k: first.get(k) for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy")},
@@ -272,6 +282,11 @@ def summarise(runs: list[dict]) -> dict:
         "peak_gib": round(max(r["peak_gib"] for r in runs), 2),
         "first_step_s": round(statistics.median(r["first_step_s"] for r in runs), 2),
         "steps_measured": len(step),
+        **{  # agentrl only (a TRL run reports peak_gib alone)
+            key: round(max(r[key] for r in runs), 2)
+            for key in ("peak_reserved_gib", "peak_gpu_used_gib", "peak_host_rss_gib", "peak_host_used_gib")
+            if all(key in r for r in runs)
+        },
     }
 
 
@@ -334,6 +349,13 @@ def main() -> None:
         ratio = {k: round(table["trl"][k] / table["agentrl"][k], 2) for k in ("step_s", "gen_s", "train_s")}
         print(f"TRL / agentrl time (above 1: agentrl faster): {ratio}")
     if "agentrl" in runs:
+        row = table["agentrl"]
+        print(
+            f"agentrl peak memory: GPU {row['peak_gib']:.1f} GiB allocated, {row['peak_reserved_gib']:.1f} GiB "
+            f"reserved (torch, the worker), {row['peak_gpu_used_gib']:.1f} GiB used (nvidia-smi); host "
+            f"{row['peak_host_rss_gib']:.1f} GiB RSS (process tree), {row['peak_host_used_gib']:.1f} GiB used "
+            f"above the start (machine)"
+        )
         print(f"agentrl step parts (median s, last run): {runs['agentrl'][-1]['parts_s']}")
         print(f"agentrl engine counts per step (last run): {runs['agentrl'][-1]['engine_counts']}")
     print(json.dumps({"table": table, "ratio_trl_over_agentrl": ratio}))

@@ -1,4 +1,5 @@
-"""Peak GPU memory per policy-worker call, and in the gaps between calls (generation), for a run on one GPU.
+"""Peak GPU memory per policy-worker call, and in the gaps between calls (generation), for a run on one GPU;
+and `PeakSampler`, the peak host and device memory of a whole run (its Ray workers included).
 
 `record_worker_phases()` wraps every public method of `PolicyWorker` (local backend: the workers live in the
 benchmark's process): at each call's start it prints the peak reached since the previous call ended (the gap:
@@ -64,6 +65,78 @@ def _measured(method, name: str, snapshot: str | None, snapshot_at: str):
                 print(f"MEMORY snapshot written to {snapshot}", flush=True)
 
     return call
+
+
+class PeakSampler:
+    """Samples, every `interval` seconds in a thread, the host and device memory a run uses; `peaks()` gives GiB:
+
+    - `host_rss`: resident memory of this process and all its descendants (Ray's raylet and workers are
+      descendants of the driver that started them), pinned buffers included; shared pages count once per
+      process that maps them;
+    - `host_used`: the machine's used memory (total - available) above what it was at `start()`: one machine,
+      no double counting, but anything else running on it counts too;
+    - `gpu_used`: the busiest GPU's used memory as `nvidia-smi` reports it (CUDA contexts and every process
+      included), 0 without `nvidia-smi`.
+    """
+
+    def __init__(self, interval: float = 0.5) -> None:
+        import threading
+
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._peaks = {"host_rss": 0, "host_used": 0, "gpu_used": 0}
+
+    def start(self) -> PeakSampler:
+        import psutil
+
+        self._baseline = psutil.virtual_memory().total - psutil.virtual_memory().available
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        return self.peaks()
+
+    def peaks(self) -> dict[str, float]:
+        return {k: round(v / GIB, 2) for k, v in self._peaks.items()}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def _sample(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        rss = 0
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                rss += proc.memory_info().rss
+            except psutil.Error:  # ended between the listing and the read
+                pass
+        memory = psutil.virtual_memory()
+        sample = {"host_rss": rss, "host_used": memory.total - memory.available - self._baseline}
+        sample["gpu_used"] = _gpu_used_bytes()
+        self._peaks = {k: max(v, sample[k]) for k, v in self._peaks.items()}
+
+
+def _gpu_used_bytes() -> int:
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    done = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    used = [int(v) for v in done.stdout.split() if v.strip().isdigit()]
+    return max(used, default=0) * 2**20  # MiB
 
 
 def peak_allocations(snapshot_path: str, top: int = 15) -> list[tuple[int, str]]:

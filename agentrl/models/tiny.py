@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,10 @@ _BUILD_VERSION = 1
 @dataclass(frozen=True)
 class TinyPreset:
     """A build recipe: `family` picks the transformers classes (a key of `_BUILDERS`), `text` holds the text
-    model's config fields and `vision` (set for the vision-language families) the vision tower's."""
+    model's config fields and `vision` (set for the vision-language families) the vision tower's. `dtype` is the
+    dtype the weights are drawn and saved in: float32 builds through the model's own initialisation; a lower
+    precision (the multi-billion shapes) draws each tensor straight in that dtype (`_draw_weights`), so the build
+    holds one copy of the weights in host memory and no float32 copy at any point."""
 
     name: str
     text: dict[str, Any]
@@ -41,9 +45,13 @@ class TinyPreset:
     image_processor: dict[str, Any] | None = None
     vocab_size: int = tok_lib.DEFAULT_VOCAB_SIZE
     extra: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
 
     def recipe(self) -> dict[str, Any]:
+        # `dtype` joins the recipe only when it is not the default, so older presets keep their folders.
+        saved_dtype = {"dtype": self.dtype} if self.dtype != "float32" else {}
         return {
+            **saved_dtype,
             "build_version": _BUILD_VERSION,
             "name": self.name,
             "family": self.family,
@@ -100,6 +108,27 @@ _QWEN25_1P5B_TEXT = {
     "num_key_value_heads": 2,
 }
 
+# Qwen2.5-3B and Qwen2.5-7B (3.09B and 7.62B parameters), drawn and saved in bfloat16: one GPU with offload
+# (docs/scaling.md, "A large shape on one GPU").
+_QWEN25_3B_TEXT = {
+    **_QWEN25_SHAPE,
+    "hidden_size": 2048,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+}
+_QWEN25_7B_TEXT = {
+    **_QWEN25_SHAPE,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+}
+
 PRESETS: dict[str, TinyPreset] = {
     "qwen2": TinyPreset(name="qwen2", text=_QWEN2_TEXT),
     "qwen2.5-0.5b-shape": TinyPreset(
@@ -117,6 +146,8 @@ PRESETS: dict[str, TinyPreset] = {
         name="qwen2.5-1.5b-shape",
         text=_QWEN25_1P5B_TEXT,
     ),
+    "qwen2.5-3b-shape": TinyPreset(name="qwen2.5-3b-shape", text=_QWEN25_3B_TEXT, dtype="bfloat16"),
+    "qwen2.5-7b-shape": TinyPreset(name="qwen2.5-7b-shape", text=_QWEN25_7B_TEXT, dtype="bfloat16"),
     "qwen2-mini": TinyPreset(
         name="qwen2-mini",
         text={**_QWEN2_TEXT, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2},
@@ -283,8 +314,55 @@ def _build_qwen2(preset: TinyPreset, common: dict[str, Any], ids: dict[str, int]
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**{**common, **preset.text}, torch_dtype="float32")  # a shape may set its vocab
+    config = Qwen2Config(**{**common, **preset.text}, torch_dtype=preset.dtype)  # a shape may set its vocab
+    if preset.dtype != "float32":
+        return _draw_weights(Qwen2ForCausalLM, config, getattr(torch, preset.dtype))
     return Qwen2ForCausalLM(config).to(torch.float32).eval()
+
+
+def _draw_weights(model_cls, config, dtype):
+    """`model_cls(config)` with weights drawn in `dtype` on the host: built on the meta device (no memory), given
+    empty `dtype` storage, then filled as the transformers initialisation would (matrices and embeddings
+    normal(0, initializer_range), the padding row 0, norms 1, biases 0). Host memory: one copy of the weights in
+    `dtype` (7B in bfloat16: 15.2 GB). The draws run on every core: each block of `_DRAW_BLOCK` elements has its
+    own generator, seeded from the build's seed and the block's place, so the weights do not depend on the
+    thread count. Non-persistent buffers (rotary frequencies) stay unset: the model is only saved, and loading
+    computes them."""
+    import torch
+
+    with torch.device("meta"):
+        model = model_cls(config)
+    model = model.to(dtype).to_empty(device="cpu").requires_grad_(False)  # grad mode is per thread
+    model.tie_weights()  # to_empty gives every module its own tensor; tied weights share one again
+    seed = torch.initial_seed()
+    blocks = []
+    with torch.no_grad():
+        for index, (name, param) in enumerate(model.named_parameters()):  # a tied tensor once
+            if param.dim() > 1:
+                flat = param.view(-1)
+                for start in range(0, len(flat), _DRAW_BLOCK):
+                    blocks.append((flat[start : start + _DRAW_BLOCK], f"{seed}/{index}/{start}"))
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.fill_(1.0)
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # normal_ releases the GIL
+            list(pool.map(lambda job: _draw_normal(*job, std=config.initializer_range), blocks))
+        embedding = model.get_input_embeddings()
+        if embedding.padding_idx is not None:
+            embedding.weight[embedding.padding_idx].zero_()
+    return model.eval()
+
+
+_DRAW_BLOCK = 1 << 24
+
+
+def _draw_normal(block, place: str, *, std: float) -> None:
+    """Fill `block` from a generator seeded by its place (a CPU generator keeps 32 bits of its seed: hashed)."""
+    import torch
+
+    seed = int.from_bytes(hashlib.sha256(place.encode()).digest()[:4], "little")
+    block.normal_(mean=0.0, std=std, generator=torch.Generator().manual_seed(seed))
 
 
 def _build_qwen2_vl(preset: TinyPreset, common: dict[str, Any], ids: dict[str, int]):
