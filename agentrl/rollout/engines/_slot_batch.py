@@ -15,6 +15,10 @@ host memory.
 The engine launches step k+1 before it reads step k's tokens, so the GPU never waits for the
 scheduler's Python. A row that finished at step k runs one step more; its token is discarded.
 
+A vision-language model's rows are the same rows: its prefill also takes the prompts' pixels (`vision.py`'s
+`ImagePrefill`: vision tower, multimodal positions), and each slot keeps one more integer, its rotary offset,
+which the decode and extend steps add to the cache index.
+
 The cache length grows on demand (powers of two, up to max_model_len) and is freed by `clear`, so
 the hybrid engine's sleep returns the memory to training. Graphs point at the cache and the weights:
 they are dropped whenever either may have moved (growth, `clear`, weight loads, LoRA merges).
@@ -27,13 +31,21 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from agentrl.models.compile_cache import use_compile_cache
 from agentrl.rollout.engines._prefix_cache import PrefixCache
 from agentrl.rollout.engines._sampling import as_int64, sample_on_device
-from agentrl.rollout.engines._slot_decode import KVShape, decode_step, extend_step, prefill_slots
+from agentrl.rollout.engines._slot_decode import KVShape, decode_step, extend_step, prefill_slots, text_config
+from agentrl.rollout.engines.vision import (
+    ImageInputs,
+    ImagePrefill,
+    PromptImages,
+    is_vision_language,
+    placeholder_token_ids,
+)
 
 logger = logging.getLogger(__name__)
 MIN_LENGTH = 256
@@ -147,6 +159,14 @@ class SlotBatch:
         self._top_k = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self._seeds = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self._drawn = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        self.images = ImagePrefill(model) if is_vision_language(model) else None
+        self._rope_offsets = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        """Rotary position minus cache index of each slot's next tokens (nonzero after an image)."""
+        self._image_keys: dict[int, list[int]] = {}
+        """Slot -> the `prefix_key` of its prompt, for a row whose prompt has images (what it parks under)."""
+        never = placeholder_token_ids(model)
+        self._never = torch.tensor(never, device=self.device) if never else None
+        """Token ids no draw on the device may choose (image pads: they stand for pixels)."""
         self._graphs: dict[
             int | tuple[int, tuple[bool, bool]], tuple[torch.cuda.CUDAGraph, torch.Tensor]
         ] = {}
@@ -156,7 +176,7 @@ class SlotBatch:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefixes = PrefixCache()
         self._extend_inputs: dict[tuple, tuple[torch.Tensor, ...]] = {}
-        self._groups = model.config.num_attention_heads // self.shape.kv_heads
+        self._groups = text_config(model).num_attention_heads // self.shape.kv_heads
         self.counters = dict.fromkeys(
             ("prompt_tokens", "prefix_hit_tokens", "prefill_tokens", "prefill_forwards", "prefill_s"), 0
         )
@@ -176,26 +196,38 @@ class SlotBatch:
         return self.length
 
     # ----- rows ------------------------------------------------------------------------------------
-    def admit(self, prompts: list[list[int]], copies: list[int], reserve: int) -> torch.Tensor:
+    def admit(
+        self,
+        prompts: list[list[int]],
+        copies: list[int],
+        reserve: int,
+        images: list[ImageInputs | None] | None = None,
+    ) -> torch.Tensor:
         """Prefill `prompts`, give prompt i `copies[i]` slots; rows are appended. Returns their first logits.
 
         `reserve`: the longest sequence (prompt + new tokens) any admitted row may reach. With prefix caching a
         prompt starts from the parked slot holding its longest prefix (taking the slot over when the prompt
         extends all it holds: an agent's next turn), and identical prompts of one admission (GRPO siblings
         sent as separate requests) are computed once; only the rest is prefilled (`prefill_slots`, packed).
+        `images`: each prompt's pixels (None for a text prompt); prompts are compared by `prefix_key`, which
+        tells images apart.
         """
         self._ensure_length(reserve + 1)  # position length-1 stays the idle slots' sink
+        images = images or [None] * len(prompts)
+        keys = (
+            [self.images.key(p, x) for p, x in zip(prompts, images, strict=True)] if self.images else prompts
+        )
         plan = _AdmissionPlan()
         first_of: dict[tuple[int, ...], int] = {}
         for i, prompt in enumerate(prompts):
             self.counters["prompt_tokens"] += len(prompt)
-            key = tuple(prompt)
+            key = tuple(keys[i])
             if self.prefix_caching and key in first_of:
                 plan.same_as[i] = first_of[key]
                 self.counters["prefix_hit_tokens"] += len(prompt)
                 continue
             first_of[key] = i
-            match = self.prefixes.longest(prompt) if self.prefix_caching else None
+            match = self.prefixes.longest(keys[i]) if self.prefix_caching else None
             if match is not None and match.whole:
                 self.prefixes.release(match.slot)
                 slot = match.slot
@@ -209,9 +241,23 @@ class SlotBatch:
             plan.prefill[i] = (slot, start)
         self._copy_prefixes(plan.copies_before)
         computed = {i: prompts[i][start:] for i, (_, start) in plan.prefill.items()}
-        short = {i: at for i, at in plan.prefill.items() if len(computed[i]) <= EXTEND_MAX_TOKENS}
+        pixels = {i: images[i] for i in plan.prefill if images[i] is not None}
+        vision: dict[int, PromptImages] = {}
+        if pixels:
+            starts = {i: plan.prefill[i][1] for i in pixels}
+            vision = self.images.prepare({i: prompts[i] for i in pixels}, pixels, starts)
+        short = {
+            i: at
+            for i, at in plan.prefill.items()
+            if len(computed[i]) <= EXTEND_MAX_TOKENS
+            and (i not in vision or vision[i].pads_before[-1] == vision[i].pads_before[at[1]])
+        }  # pads to compute go through `prefill_slots`, which reads image features
         long = {i: at for i, at in plan.prefill.items() if i not in short}
-        last_logits = {**self._prefill_chunks(long, computed), **self._extend(short, computed)}
+        offsets = {i: vision[i].offset if i in vision else 0 for i in plan.prefill}
+        last_logits = {
+            **self._prefill_chunks(long, computed, vision),
+            **self._extend(short, computed, offsets),
+        }
         row_slots: list[int] = []
         row_logits: list[torch.Tensor] = []
         copies_after: list[tuple[int, int, int]] = []
@@ -228,6 +274,12 @@ class SlotBatch:
         self._row_slots += row_slots
         self._row_positions += [len(prompts[i]) for i in range(len(prompts)) for _ in range(copies[i])]
         self._set_slots(row_slots, self._active, [1] * len(row_slots))
+        if self.images is not None:
+            owners = [plan.same_as.get(i, i) for i in range(len(prompts)) for _ in range(copies[i])]
+            self._set_slots(row_slots, self._rope_offsets, [offsets[i] for i in owners])
+            for slot, i in zip(row_slots, owners, strict=True):
+                if images[i] is not None:
+                    self._image_keys[slot] = keys[i]
         return torch.stack(row_logits)
 
     def _take_slot(self, preserved: set[int]) -> int:
@@ -256,7 +308,7 @@ class SlotBatch:
                 cache[targets, :, :longest] = cache[sources, :, :longest]
 
     def _extend(
-        self, prefill: dict[int, tuple[int, int]], computed: dict[int, list[int]]
+        self, prefill: dict[int, tuple[int, int]], computed: dict[int, list[int]], offsets: dict[int, int]
     ) -> dict[int, torch.Tensor]:
         """Prefill short token runs (a next turn whose history is cached) with `extend_step`, at most `max_slots`
         rows a call, under a CUDA graph per (rows, width) bucket on CUDA; each prompt's last logits."""
@@ -274,14 +326,15 @@ class SlotBatch:
             positions = torch.full((rows, width), self.sink, dtype=torch.long)
             slots = torch.zeros(rows, dtype=torch.long)
             last = torch.zeros(rows, dtype=torch.long)
+            rope_offsets = torch.zeros(rows, dtype=torch.long)
             for row, (i, (slot, start)) in enumerate(group):
                 ids = computed[i]
                 tokens[row, : len(ids)] = torch.tensor(ids)
                 positions[row, : len(ids)] = torch.arange(start, start + len(ids))
-                slots[row], last[row] = slot, len(ids) - 1
+                slots[row], last[row], rope_offsets[row] = slot, len(ids) - 1, offsets[i]
             reach = max(start + len(computed[i]) for i, (_, start) in group)
             span = min(self.length, max(MIN_LENGTH, _next_power_of_two(reach)))
-            out = self._extend_call(tokens, positions, slots, last, span)
+            out = self._extend_call(tokens, positions, slots, last, span, rope_offsets)
             for row, (i, _) in enumerate(group):
                 logits[i] = out[row]
             if self.device.type == "cuda":
@@ -298,23 +351,27 @@ class SlotBatch:
         slots: torch.Tensor,
         last: torch.Tensor,
         span: int,
+        rope_offsets: torch.Tensor,
     ) -> torch.Tensor:
         """`extend_step` on these host tensors over cache positions 0..span-1 (a power of two, so few graphs):
         replayed from its graph on CUDA (captured on first use)."""
+        inputs = (slots, tokens, positions, last)
         if not self.cuda_graphs:
-            moved = (t.to(self.device) for t in (slots, tokens, positions, last))
-            return extend_step(self.model, self.keys, self.values, *moved, span).clone()
+            moved = (t.to(self.device) for t in inputs)
+            offsets = rope_offsets.to(self.device) if self.images else None
+            return extend_step(self.model, self.keys, self.values, *moved, span, offsets).clone()
         key = ("extend", *tokens.shape, span)
         buffers = self._extend_inputs.get(key[:3])
         if buffers is None:
-            buffers = tuple(torch.zeros_like(t, device=self.device) for t in (slots, tokens, positions, last))
+            buffers = tuple(torch.zeros_like(t, device=self.device) for t in (*inputs, rope_offsets))
             self._extend_inputs[key[:3]] = buffers
-        for target, source in zip(buffers, (slots, tokens, positions, last), strict=True):
+        for target, source in zip(buffers, (*inputs, rope_offsets), strict=True):
             target.copy_(source, non_blocking=True)
         if key not in self._graphs:
 
             def step() -> torch.Tensor:
-                return extend_step(self.model, self.keys, self.values, *buffers, span)
+                offsets = buffers[4] if self.images else None
+                return extend_step(self.model, self.keys, self.values, *buffers[:4], span, offsets)
 
             self._graphs[key] = self._capture(step, step)
         graph, output = self._graphs[key]
@@ -322,7 +379,10 @@ class SlotBatch:
         return output.clone()
 
     def _prefill_chunks(
-        self, prefill: dict[int, tuple[int, int]], computed: dict[int, list[int]]
+        self,
+        prefill: dict[int, tuple[int, int]],
+        computed: dict[int, list[int]],
+        vision: dict[int, PromptImages] | None = None,
     ) -> dict[int, torch.Tensor]:
         """Run the prompts' uncached tokens through `prefill_slots` in forwards of bounded size (a long prompt
         spans several, its later chunks attending to the earlier ones in its slot); each prompt's last logits."""
@@ -346,9 +406,10 @@ class SlotBatch:
                 batch.append((i, slot, start, ids[:take]))
                 tokens, span, width = tokens + take, longer, wider
             started = time.perf_counter()
+            packed = self.images.pack([(b[3], b[2], vision.get(b[0])) for b in batch]) if vision else None
             out = prefill_slots(
                 self.model, self.keys, self.values, [b[1] for b in batch], [b[2] for b in batch],
-                [b[3] for b in batch],
+                [b[3] for b in batch], packed,
             )  # fmt: skip
             left_over = []
             for row, (i, slot, start, chunk) in enumerate(batch):
@@ -372,6 +433,9 @@ class SlotBatch:
         dropped = [(i, slot) for i, slot in enumerate(self._row_slots) if i not in kept]
         for i, slot in dropped:
             tokens = (finished or {}).get(i)
+            key = self._image_keys.pop(slot, None)
+            if tokens and key is not None:  # its pads park under the names of their images
+                tokens = key + tokens[len(key) :]
             if self.prefix_caching and tokens:
                 self.prefixes.park(slot, tokens[: self.length - 1])
             else:
@@ -403,6 +467,7 @@ class SlotBatch:
         self._row_slots, self._row_positions = [], []
         self._free = list(range(self.max_slots))
         self.prefixes.clear()
+        self._image_keys.clear()
         self._active.zero_()
         self._positions.zero_()
         self.keys, self.values, self.length = [], [], 0
@@ -454,7 +519,7 @@ class SlotBatch:
         """Draw the first token of rows `start`.. from their prefill `logits` (rows, V), on the device."""
         slots = self._row_slots[start:]
         index = torch.tensor(slots, device=self.device)
-        chosen, logprob = sample_on_device(
+        chosen, logprob = self._sample_on_device(
             logits,
             *(state.index_select(0, index) for state in (self._temperature, self._top_p, self._top_k)),
             self._seeds.index_select(0, index),
@@ -491,13 +556,24 @@ class SlotBatch:
         drawn = self._drawn[:bucket]
         seeds = self._seeds[:bucket]
         state = (self._temperature[:bucket], self._top_p[:bucket], self._top_k[:bucket])
-        chosen, logprob = sample_on_device(logits, *state, seeds, drawn if advance else drawn.clone(), needs)
+        chosen, logprob = self._sample_on_device(
+            logits, *state, seeds, drawn if advance else drawn.clone(), needs
+        )
         if advance:
             active = self._active[:bucket]
             self._token_ids[:bucket].copy_(chosen)
             self._positions[:bucket] += active
             drawn += active
         return torch.stack([chosen.double(), logprob.double()])
+
+    def _sample_on_device(self, logits: torch.Tensor, *settings: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample_on_device(logits, *settings)`, never choosing the `_never` tokens; the logprob stays the raw
+        one (as the host's `select_tokens` blocks tokens)."""
+        if self._never is None:
+            return sample_on_device(logits, *settings)
+        chosen, _ = sample_on_device(logits.index_fill(1, self._never, float("-inf")), *settings)
+        logprob = torch.log_softmax(logits.float(), dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1)
+        return chosen, logprob
 
     def _to_host(self, results: torch.Tensor, slots: list[int]) -> DeviceDraw:
         if self.device.type != "cuda":
@@ -509,8 +585,9 @@ class SlotBatch:
         return DeviceDraw(slots, host, ready)
 
     def _step(self, bucket: int) -> torch.Tensor:
+        offsets = self._rope_offsets[:bucket] if self.images else None
         return self._decode_step(
-            self.model, self.keys, self.values, self._token_ids[:bucket], self._positions[:bucket]
+            self.model, self.keys, self.values, self._token_ids[:bucket], self._positions[:bucket], offsets
         )
 
     def _bucket(self, needed: int) -> int:

@@ -12,7 +12,14 @@ The step reuses the model's own modules (embeddings, norms, projections, MLP, ro
 in-place weight updates and merged LoRA adapters are served as they are, and the arithmetic is the
 model's: logprobs match a teacher-forced forward of the same weights. Supported: the architectures
 in `SLOT_DECODE_ARCHITECTURES` with full attention and a position-independent rotary embedding.
-Others (sliding windows, multimodal rotary positions, dynamic RoPE) use the `DynamicCache` path.
+Others (sliding windows, dynamic RoPE) use the `DynamicCache` path.
+
+Vision-language models (`MROPE_ARCHITECTURES`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) run their language model here.
+Their multimodal rotary position (t, h, w) differs from the cache index only at prefill: image tokens get 3-D
+positions, and text after an image continues from the image's largest position. So a prefill with images takes
+each token's three components and the image features (`PackedVision`, built by `vision.py`), and every later
+token of the sequence, all three components equal, sits at its cache index plus the sequence's constant
+offset (transformers' `rope_deltas`): decode and extend steps take that one integer per slot (`rope_offsets`).
 """
 
 from __future__ import annotations
@@ -22,8 +29,44 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SLOT_DECODE_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM")
+MROPE_ARCHITECTURES = (
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+)
+SLOT_DECODE_ARCHITECTURES = (
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    *MROPE_ARCHITECTURES,
+)
 _STATIC_ROPE_TYPES = (None, "default", "linear", "llama3", "yarn")
+
+
+def text_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (embed_tokens, layers, norm, rotary_emb): a vision-language model's language model."""
+    inner = model.model
+    return getattr(inner, "language_model", inner)
+
+
+def text_config(model: torch.nn.Module):
+    """The language model's config (a vision-language config nests it as `text_config`)."""
+    return getattr(model.config, "text_config", None) or model.config
+
+
+@dataclass
+class PackedVision:
+    """What images change in one packed prefill forward (`prefill_slots`) of N tokens."""
+
+    rope_positions: torch.Tensor
+    """(3, N) long: each token's multimodal rotary position (t, h, w); equal components for text."""
+    mask: torch.Tensor
+    """(N,) bool: the image pad tokens, whose embeddings the image features replace."""
+    embeds: torch.Tensor
+    """(pads, H): the vision tower's features of the masked tokens, in order."""
+    deepstack: list[torch.Tensor]
+    """Qwen3-VL: per early decoder layer, (pads, H) added to the masked tokens' hidden states after that layer."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +80,7 @@ class KVShape:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> KVShape:
-        cfg = model.config
+        cfg = text_config(model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = model.get_input_embeddings().weight.dtype
         return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, dtype)
@@ -53,16 +96,17 @@ def slot_decode_unsupported(model: torch.nn.Module) -> str | None:
     name = type(model).__name__
     if name not in SLOT_DECODE_ARCHITECTURES:
         return f"{name} is not one of {', '.join(SLOT_DECODE_ARCHITECTURES)}"
-    cfg = model.config
+    cfg = text_config(model)
     if any(kind != "full_attention" for kind in getattr(cfg, "layer_types", None) or ()):
         return "some layers use sliding-window attention"
     if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
         return "the model uses sliding-window attention"
     rope = getattr(cfg, "rope_scaling", None) or getattr(cfg, "rope_parameters", None) or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    if rope_type not in _STATIC_ROPE_TYPES or (isinstance(rope, dict) and "mrope_section" in rope):
+    mrope = isinstance(rope, dict) and "mrope_section" in rope
+    if rope_type not in _STATIC_ROPE_TYPES or (mrope and name not in MROPE_ARCHITECTURES):
         return f"rope type {rope_type!r} is not position-independent"
-    inner = getattr(model, "model", None)
+    inner = text_model(model) if hasattr(model, "model") else None
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if inner is None or not all(hasattr(inner, attr) for attr in needed):
         return f"{name} lacks model.{{{', '.join(needed)}}}"
@@ -91,16 +135,20 @@ def decode_step(
     values: list[torch.Tensor],
     token_ids: torch.Tensor,
     positions: torch.Tensor,
+    rope_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Feed token_ids[i] at positions[i] of slot i (i < b); write its keys and values; return logits (b, V).
 
     keys[l] / values[l]: (slots, kv_heads, length, D); slot i attends to its positions 0..positions[i].
+    `rope_offsets` (b,) long: the rotary position is positions[i] + rope_offsets[i] (a multimodal sequence's
+    offset after its images; broadcast to the three mrope components).
     """
-    inner = model.model
+    inner = text_model(model)
     batch = token_ids.shape[0]
     shape = KVShape.of(model)
     hidden = inner.embed_tokens(token_ids.unsqueeze(1))  # (b, 1, H)
-    cos, sin = inner.rotary_emb(hidden, positions.unsqueeze(1))  # (b, 1, D)
+    rope = positions if rope_offsets is None else positions + rope_offsets
+    cos, sin = inner.rotary_emb(hidden, rope.unsqueeze(1))  # (b, 1, D)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     slots = torch.arange(batch, device=token_ids.device)
     length = keys[0].shape[2]
@@ -133,6 +181,7 @@ def prefill_slots(
     slots: list[int],
     starts: list[int],
     chunks: list[list[int]],
+    vision: PackedVision | None = None,
 ) -> torch.Tensor:
     """Feed `chunks[r]` at positions starts[r].. of slot slots[r]; write their keys and values; return the
     logits of each chunk's last token (rows, V).
@@ -141,8 +190,9 @@ def prefill_slots(
     attends to what its slot already holds (positions 0..starts[r]-1: a reused prefix, or an earlier chunk of
     the same prompt) and causally to itself. Only attention pads, to the longest chunk: one SDPA call over
     (rows, kv heads, query heads per kv head x widest chunk, keys) with a mask for each row's own positions.
+    `vision`: a vision-language model's image features and rotary positions for these tokens.
     """
-    inner = model.model
+    inner = text_model(model)
     shape = KVShape.of(model)
     device = keys[0].device
     lengths = [len(chunk) for chunk in chunks]
@@ -155,14 +205,18 @@ def prefill_slots(
     positions = start_of_row[row_of] + offset
     slot_of_row = torch.tensor(slots, dtype=torch.long, device=device)
     slot_of = slot_of_row[row_of]
-    heads = model.config.num_attention_heads
+    heads = text_config(model).num_attention_heads
     groups = heads // shape.kv_heads
     query_positions = start_of_row.unsqueeze(1) + torch.arange(widest, device=device).unsqueeze(0)
     visible = torch.arange(span, device=device).view(1, 1, span) <= query_positions.unsqueeze(2)
     mask = visible.unsqueeze(1).expand(rows, groups, widest, span).reshape(rows, 1, groups * widest, span)
 
     hidden = inner.embed_tokens(ids.unsqueeze(0))  # (1, N, H)
-    cos, sin = inner.rotary_emb(hidden, positions.unsqueeze(0))  # (1, N, D)
+    rope = positions.unsqueeze(0)
+    if vision is not None:
+        hidden[0, vision.mask] = vision.embeds.to(hidden.dtype)
+        rope = vision.rope_positions.unsqueeze(1)  # (3, 1, N)
+    cos, sin = inner.rotary_emb(hidden, rope)  # (1, N, D)
     cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # (N, 1, D)
     for index, layer in enumerate(inner.layers):
         attn = layer.self_attn
@@ -189,6 +243,8 @@ def prefill_slots(
         out = out.reshape(rows, heads, widest, shape.head_dim).permute(0, 2, 1, 3)[row_of, offset]
         hidden = hidden + attn.o_proj(out.reshape(1, total, heads * shape.head_dim))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if vision is not None and index < len(vision.deepstack):
+            hidden[0, vision.mask] += vision.deepstack[index].to(hidden.dtype)
     last = torch.tensor(lengths, device=device).cumsum(0) - 1
     return model.lm_head(inner.norm(hidden[0].index_select(0, last)))
 
@@ -203,6 +259,7 @@ def extend_step(
     positions: torch.Tensor,
     last: torch.Tensor,
     span: int,
+    rope_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Feed token_ids[r] (W tokens) at positions[r] of slot slot_ids[r]; write their keys and values; return the
     logits at token last[r] of each row (R, V). Attention reads cache positions 0..span-1, which must hold every
@@ -211,16 +268,17 @@ def extend_step(
     `decode_step` with W tokens per row instead of one, and fixed shapes, so a short prefill (an agent's next
     turn: an observation and the template around it) is one CUDA graph replay instead of an eager forward of
     hundreds of small kernels. Padding tokens (and padding rows) sit at the slot's last cache position, the
-    sink no sequence reaches, so what they write is never read.
+    sink no sequence reaches, so what they write is never read. `rope_offsets` (R,) long: as in `decode_step`.
     """
-    inner = model.model
+    inner = text_model(model)
     shape = KVShape.of(model)
     rows, width = token_ids.shape
-    heads = model.config.num_attention_heads
+    heads = text_config(model).num_attention_heads
     groups = heads // shape.kv_heads
     length = span
     hidden = inner.embed_tokens(token_ids)  # (R, W, H)
-    cos, sin = inner.rotary_emb(hidden, positions)  # (R, W, D)
+    rope = positions if rope_offsets is None else positions + rope_offsets.unsqueeze(1)
+    cos, sin = inner.rotary_emb(hidden, rope)  # (R, W, D)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     visible = torch.arange(length, device=token_ids.device).view(1, 1, length) <= positions.unsqueeze(2)
     mask = visible.unsqueeze(1).expand(rows, groups, width, length).reshape(rows, 1, groups * width, length)

@@ -11,9 +11,10 @@ while RL needs the raw policy logprob, and `log(softmax)` underflows where `log_
 (3) it samples with the global RNG, so per-request seeds cannot be honoured; (4) it has no stop
 strings. Instead a compact scheduler of our own runs in a background thread: between decode steps
 it admits waiting requests (each prompt prefilled once, its KV shared by its `n` completions) and
-retires finished rows. For Llama-family models the running batch lives in a preallocated slot
-cache and each decode step is one CUDA graph replay on GPU (`_slot_batch.py`, `_slot_decode.py`);
-other models use transformers' `DynamicCache` (`_batch.py`). Each row samples with its own settings
+retires finished rows. For Llama-family models and Qwen vision-language models the running batch lives in
+a preallocated slot cache and each decode step is one CUDA graph replay on GPU (`_slot_batch.py`,
+`_slot_decode.py`; images enter at prefill, `vision.py`); other models use transformers' `DynamicCache`
+(`_batch.py`), with text prompts only. Each row samples with its own settings
 and seed, all rows in one vectorised draw (`_sampling.py`): per-request seeds give the same tokens
 whatever else is in the batch, and greedy (temperature 0) equals `model.generate`'s greedy. On the
 slot path, rows without grammars, blocked tokens or top logprobs draw on the device and the scheduler
@@ -47,7 +48,6 @@ from agentrl.rollout.engines._slot_decode import slot_decode_unsupported
 from agentrl.rollout.engines._weights import LoraMerger, fingerprint_state_dict, load_weights_in_place
 from agentrl.rollout.engines.constraints import Constraint, GrammarCompiler, advance, fill_bitmasks
 from agentrl.rollout.engines.vision import (
-    ImageBatch,
     ImageInputs,
     check_image_prompt,
     is_vision_language,
@@ -158,11 +158,12 @@ class EmbeddedEngine:
         self._thread.start()
 
     def _build_batch(self, cuda_graphs: bool, compile_decode: bool) -> SlotBatch | DynamicBatch:
-        if self.image_processor is not None:
-            return ImageBatch(self.model)
         reason = slot_decode_unsupported(self.model)
         if reason is not None:
             logger.info("embedded engine: DynamicCache decoding (%s)", reason)
+            if self.image_processor is not None:  # only the slot path's prefill reads pixels
+                logger.warning("embedded engine: images are refused (%s)", reason)
+                self.image_processor = None
             return DynamicBatch(self.model)
         return SlotBatch(
             self.model,
@@ -578,7 +579,7 @@ class EmbeddedEngine:
             finished = {
                 i: s.request.prompt_ids + s.token_ids[:-1]
                 for i, s in enumerate(self._rows)
-                if s.finish_reason is not None and not s.request.cancelled and s.request.images is None
+                if s.finish_reason is not None and not s.request.cancelled
             }
             self._batch.keep(keep, finished)
             self._rows = [self._rows[i] for i in keep]

@@ -1,28 +1,31 @@
-"""Images in the embedded engine: expand image placeholders, and prefill rows with pixels and mrope positions.
+"""Images in the embedded engine: expand image placeholders, and prefill slot-cache rows with pixels.
 
 A chat template renders each image part as one `<|image_pad|>` between `<|vision_start|>` and
 `<|vision_end|>`. `build_image_prompt` resizes every image by qwen-vl-utils' rules, runs the image
 processor (`agentrl.data.images`) and repeats each pad `t*h*w / merge**2` times, so the prompt ids are
 exactly the tokens the model reads, pads included (what traces keep and training replays).
 
-`prefill_with_images` is the prefill of `_batch.prefill` for a vision-language model (`ImageBatch`, the
-engine's running batch for such models, calls it when admitted prompts carry images): the vision
-tower's features replace the pad embeddings, and positions are the model's multimodal rotary
-positions (`get_rope_index`: three components t/h/w over image tokens, text after an image continuing
-from the image's largest position). Each row's next position is its largest position + 1, so the
-ordinary decode step (one position per row, which Qwen2-VL and Qwen3-VL broadcast to all three components)
-goes on from there; decode needs nothing image-specific. Qwen3-VL's deepstack features (vision-block outputs
-added to the image tokens' hidden states in the first decoder layers) are applied by the model in this same
-forward, from the same pixels.
+A vision-language model decodes on the slot cache like a text model (`_slot_batch.py`); `ImagePrefill` is
+what its prefill adds. Positions are the model's multimodal rotary positions, from its own `get_rope_index`
+over the whole prompt (what a teacher-forced forward in training computes): three components t/h/w over image
+tokens, text after an image continuing from the image's largest position. Every token after the prompt has
+three equal components, its cache index plus the sequence's offset (`PromptImages.offset`, transformers'
+`rope_deltas`), the one integer per slot the decode step adds. The vision tower runs at prefill only, once per
+distinct image of an admission (a GRPO group sends the same image n times) and only for images not already in
+a reused prefix; its features replace the pad embeddings, and Qwen3-VL's deepstack features (vision-block
+outputs added to the image tokens' hidden states after the first decoder layers) go into the same forward.
+
+Pads of images of the same size are the same token ids whatever the pixels, so the prefix cache and the
+admission's identical-prompt check key prompts by `prefix_key`, where each pad names its image's content.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from agentrl.data.images import (
     build_pixel_inputs,
@@ -31,7 +34,7 @@ from agentrl.data.images import (
     load_image,
     resize_for_processor,
 )
-from agentrl.rollout.engines._batch import DynamicBatch, PaddedBatch, left_pad
+from agentrl.rollout.engines._slot_decode import PackedVision, text_config
 
 IMAGE_PART_TYPES = ("image_url", "image")
 
@@ -44,6 +47,26 @@ class ImageInputs:
     images: list[str]
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
+    _digests: list[int] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def digests(self) -> list[int]:
+        """One 63-bit content hash per image: of its data URL (the pixels are a function of it), or of its
+        patches when the references do not match the grid."""
+        if self._digests is None:
+            grid = self.image_grid_thw.tolist()
+            if len(self.images) == len(grid):
+                blobs = [f"{url}|{g}".encode() for url, g in zip(self.images, grid, strict=True)]
+            else:
+                sizes = [t * h * w for t, h, w in grid]
+                patches = self.pixel_values.split(sizes)
+                blobs = [
+                    p.contiguous().float().numpy().tobytes() + str(g).encode()
+                    for p, g in zip(patches, grid, strict=True)
+                ]
+            self._digests = [
+                int.from_bytes(hashlib.blake2b(b, digest_size=8).digest(), "little") >> 1 for b in blobs
+            ]
+        return self._digests
 
 
 def is_vision_language(model: torch.nn.Module) -> bool:
@@ -111,54 +134,160 @@ def check_image_prompt(
         raise ValueError(f"prompt has {found} image pad tokens but its images make {expected}")
 
 
-def rope_positions(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, grid_thw: Any):
-    """(3, B, T) multimodal rotary positions from the model's own `get_rope_index` (padding slots 0)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    mm_types = (input_ids == inner.config.image_token_id).int()
-    positions, _ = inner.model.get_rope_index(
-        input_ids, mm_token_type_ids=mm_types, image_grid_thw=grid_thw, attention_mask=mask
-    )
-    return positions
+def prefix_key(
+    prompt: list[int], images: ImageInputs | None, image_token_id: int, merge_size: int
+) -> list[int]:
+    """The prompt's ids as the prefix cache compares them: each image pad replaced by a negative id (outside
+    the vocabulary) naming its image's content, so equal keys mean equal tokens and equal pixels."""
+    if images is None:
+        return prompt
+    names = [
+        -1 - digest
+        for digest, count in zip(
+            images.digests(), count_image_tokens(images.image_grid_thw, merge_size), strict=True
+        )
+        for _ in range(count)
+    ]
+    key, pad = [], 0
+    for token in prompt:
+        if token == image_token_id:
+            key.append(names[pad])
+            pad += 1
+        else:
+            key.append(token)
+    return key
 
 
-@torch.inference_mode()
-def prefill_with_images(
-    model: torch.nn.Module, prompts: list[list[int]], images: list[ImageInputs | None]
-) -> tuple[PaddedBatch, torch.Tensor]:
-    """`_batch.prefill` for rows of which some carry images: left-padded, pixels in row order, mrope
-    positions; returns the batch (next position = largest position + 1) and last logits (B, V)."""
-    device = next(model.parameters()).device
-    input_ids, mask = left_pad(prompts, device)
-    present = [x for x in images if x is not None]
-    grid = torch.cat([x.image_grid_thw for x in present]).to(device)
-    pixels = torch.cat([x.pixel_values for x in present]).to(device)
-    positions = rope_positions(model, input_ids, mask, grid)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=positions,
-        pixel_values=pixels,
-        image_grid_thw=grid,
-        past_key_values=DynamicCache(config=model.config),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    next_positions = positions.amax(dim=(0, 2)) + 1
-    batch = PaddedBatch(cache=out.past_key_values, attention_mask=mask, positions=next_positions)
-    return batch, out.logits[:, -1, :]
+@dataclass
+class PromptImages:
+    """One admitted prompt's images as its prefill reads them."""
+
+    rope: torch.Tensor
+    """(3, T) long, on the host: the whole prompt's multimodal rotary positions."""
+    offset: int
+    """Rotary position minus cache index of every token after the prompt (transformers' `rope_deltas`)."""
+    pads_before: list[int]
+    """(T + 1): pads among the prompt's first t tokens."""
+    first_pad: int
+    """Ordinal of the first pad whose features are computed (pads of images inside a reused prefix are not)."""
+    features: torch.Tensor
+    """(pads from `first_pad` on, H) on the model's device: the vision tower's features of those pads."""
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+    """Qwen3-VL: per early decoder layer, the same pads' deepstack features."""
 
 
-class ImageBatch(DynamicBatch):
-    """`DynamicBatch` whose `admit` also takes each prompt's `ImageInputs` (None for a text prompt)."""
+class ImagePrefill:
+    """The image side of a vision-language model's slot-cache prefill: prefix keys, vision tower, positions."""
 
-    def admit(
-        self,
-        prompts: list[list[int]],
-        copies: list[int],
-        reserve: int,
-        images: list[ImageInputs | None] | None = None,
-    ) -> torch.Tensor:
-        if not images or all(x is None for x in images):
-            return super().admit(prompts, copies, reserve)
-        self.count_prefill(prompts)
-        return self._join(*prefill_with_images(self.model, prompts, images), copies)
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.image_token_id = int(model.config.image_token_id)
+        self.merge_size = int(model.config.vision_config.spatial_merge_size)
+
+    @property
+    def _core(self) -> torch.nn.Module:
+        """The multimodal model (vision tower, `get_rope_index`) under the LM head."""
+        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return inner.model
+
+    def key(self, prompt: list[int], images: ImageInputs | None) -> list[int]:
+        return prefix_key(prompt, images, self.image_token_id, self.merge_size)
+
+    @torch.inference_mode()
+    def prepare(
+        self, prompts: dict[int, list[int]], images: dict[int, ImageInputs], starts: dict[int, int]
+    ) -> dict[int, PromptImages]:
+        """For each prompt i with images: positions, offset, and the features of its pads at or after
+        `starts[i]` (the first token its prefill computes). The tower runs once over the distinct images
+        those pads belong to."""
+        needed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # digest -> (patches, grid row)
+        plans = {}
+        for i, inputs in images.items():
+            prompt, grid = prompts[i], inputs.image_grid_thw
+            pads_before = [0]
+            for token in prompt:
+                pads_before.append(pads_before[-1] + (token == self.image_token_id))
+            counts = count_image_tokens(grid, self.merge_size)
+            patches = inputs.pixel_values.split([int(t * h * w) for t, h, w in grid.tolist()])
+            first_pad, ends, skip = 0, 0, 0
+            for j, count in enumerate(counts):
+                ends += count
+                if ends <= pads_before[starts[i]]:  # wholly inside the reused prefix
+                    first_pad, skip = ends, j + 1
+            digests = inputs.digests()[skip:]
+            for j, digest in enumerate(digests, start=skip):
+                needed.setdefault(digest, (patches[j], grid[j : j + 1]))
+            plans[i] = (pads_before, first_pad, digests)
+        features = self._encode(needed)
+        out = {}
+        for i, (pads_before, first_pad, digests) in plans.items():
+            rope, offset = self._positions(prompts[i], images[i])
+            per_image = [features[d] for d in digests]
+            out[i] = PromptImages(
+                rope=rope,
+                offset=offset,
+                pads_before=pads_before,
+                first_pad=first_pad,
+                features=torch.cat([f[0] for f in per_image]) if per_image else self._no_features(),
+                deepstack=[torch.cat(layer) for layer in zip(*(f[1] for f in per_image), strict=True)]
+                if per_image
+                else [],
+            )
+        return out
+
+    def _encode(
+        self, images: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    ) -> dict[int, tuple[torch.Tensor, list[torch.Tensor]]]:
+        """digest -> (its pads' features (pads, H), its deepstack features per layer): one tower forward."""
+        if not images:
+            return {}
+        device = next(self.model.parameters()).device
+        pixels = torch.cat([p for p, _ in images.values()]).to(device)
+        grid = torch.cat([g for _, g in images.values()]).to(device)
+        out = self._core.get_image_features(pixels, grid, return_dict=True)
+        deepstack = getattr(out, "deepstack_features", None) or []
+        return {
+            digest: (out.pooler_output[k], [layer[k] for layer in deepstack])
+            for k, digest in enumerate(images)
+        }
+
+    def _positions(self, prompt: list[int], images: ImageInputs) -> tuple[torch.Tensor, int]:
+        """(3, T) rotary positions of the prompt and its offset, by the model's own `get_rope_index`."""
+        ids = torch.tensor([prompt])
+        rope, deltas = self._core.get_rope_index(
+            ids, mm_token_type_ids=(ids == self.image_token_id).int(), image_grid_thw=images.image_grid_thw
+        )
+        return rope[:, 0], int(deltas.reshape(-1)[0])
+
+    def _no_features(self) -> torch.Tensor:
+        weight = self.model.get_input_embeddings().weight
+        return weight.new_zeros(0, text_config(self.model).hidden_size)
+
+    def pack(self, parts: list[tuple[list[int], int, PromptImages | None]]) -> PackedVision | None:
+        """The `PackedVision` of one packed prefill of `parts` (a chunk's ids, its first position, and its
+        prompt's images or None); None when no part has images (positions are then the cache indices)."""
+        if all(images is None for _, _, images in parts):
+            return None
+        ropes, masks, embeds, deepstack = [], [], [], []
+        for ids, start, images in parts:
+            end = start + len(ids)
+            if images is None:
+                ropes.append(torch.arange(start, end).expand(3, -1))
+                masks.append(torch.zeros(len(ids), dtype=torch.bool))
+                continue
+            ropes.append(images.rope[:, start:end])
+            masks.append(torch.tensor(ids) == self.image_token_id)
+            first, last = (
+                images.pads_before[start] - images.first_pad,
+                images.pads_before[end] - images.first_pad,
+            )
+            if last > first:
+                embeds.append(images.features[first:last])
+                deepstack.append([layer[first:last] for layer in images.deepstack])
+        device = next(self.model.parameters()).device
+        return PackedVision(
+            rope_positions=torch.cat(ropes, dim=1).to(device),
+            mask=torch.cat(masks).to(device),
+            embeds=torch.cat(embeds) if embeds else self._no_features(),
+            deepstack=[torch.cat(layer) for layer in zip(*deepstack, strict=True)] if deepstack else [],
+        )

@@ -1,4 +1,5 @@
-"""The embedded engine with images: pads expanded, vision tower and mrope in prefill, raw logprobs exact.
+"""The embedded engine with images: pads expanded, vision tower and mrope in prefill, decode on the slot cache,
+raw logprobs exact (teacher forcing with pixels, fp32), next turns through the prefix cache.
 
 Every test runs on both tiny families: Qwen2-VL and Qwen3-VL (deepstack features, interleaved mrope).
 """
@@ -12,8 +13,9 @@ from PIL import Image, ImageDraw
 from agentrl.data.images import build_pixel_inputs, encode_data_url
 from agentrl.models import load_causal_lm, load_tokenizer
 from agentrl.rollout.chat import render_chat
+from agentrl.rollout.engines._slot_batch import SlotBatch
 from agentrl.rollout.engines.embedded import EmbeddedEngine
-from agentrl.rollout.engines.vision import build_image_prompt, collect_image_refs
+from agentrl.rollout.engines.vision import ImageInputs, build_image_prompt, collect_image_refs
 from agentrl.types import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -126,3 +128,97 @@ def test_pixels_change_the_answer_and_pad_count_is_checked(setup):
     extra_pad = red[:1] + [model.config.image_token_id] + red[1:]
     with pytest.raises(ValueError, match="image pad tokens"):
         asyncio.run(run(extra_pad, images_red))
+
+
+def _count_tower_images(model):
+    """A list that receives the number of images of every vision tower forward (a forward hook)."""
+    seen: list[int] = []
+    tower = model.model.visual
+    handle = tower.register_forward_hook(
+        lambda _m, args, kwargs, _o: seen.append(len(kwargs["grid_thw"])), with_kwargs=True
+    )
+    return seen, handle
+
+
+def test_vlm_decodes_on_the_slot_cache(setup):
+    model, tokenizer, engine = setup
+    assert isinstance(engine._batch, SlotBatch)
+    assert engine._batch.images is not None and engine.accepts_images
+
+
+def _image_segment(prompt, model):
+    """The tokens of a prompt's image: vision start, pads, vision end."""
+    start, end = (
+        prompt.index(model.config.vision_start_token_id),
+        prompt.index(model.config.vision_end_token_id),
+    )
+    return prompt[start : end + 1]
+
+
+@pytest.mark.parametrize("follow_up_tokens", [6, 90], ids=["extend", "prefill"])
+def test_next_turn_after_an_image_reuses_the_prefix_and_equals_teacher_forcing(setup, follow_up_tokens):
+    """Turn 2 extends turn 1 (prompt with an image + completion): the prefix cache hands over turn 1's slot and
+    only the rest is computed, text positions continuing with turn 1's offset. A third turn brings a second image
+    after the reused prefix: only that image goes through the vision tower."""
+    model, tokenizer, engine = setup
+    first, images = _image_prompt(engine, tokenizer, _picture("purple", (100, 70)), "Name the shape.")
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=11, ignore_eos=True)
+    turn_1 = asyncio.run(engine.generate(first, params, images=images))[0]
+    words = tokenizer.encode(" and what else is there" * 20, add_special_tokens=False)[:follow_up_tokens]
+    second = first + turn_1.token_ids + words
+    hits = engine.stats()["prefix_cache_hits"]
+    seen, handle = _count_tower_images(model)
+    try:
+        turn_2 = asyncio.run(engine.generate(second, params, images=images))[0]
+        assert engine.stats()["prefix_cache_hits"] - hits >= len(first) + len(turn_1.token_ids) - 1
+        assert seen == []  # the image lies inside the reused prefix
+        expected = _teacher_forced(model, second, turn_2.token_ids, images)
+        assert torch.allclose(torch.tensor(turn_2.logprobs), expected, atol=1e-4), (turn_2.logprobs, expected)
+
+        blue, blue_images = _image_prompt(engine, tokenizer, _picture("blue", (120, 40)), "Colour?")
+        third = second + turn_2.token_ids + _image_segment(blue, model) + words[:5]
+        both = ImageInputs(
+            images.images + blue_images.images,
+            torch.cat([images.pixel_values, blue_images.pixel_values]),
+            torch.cat([images.image_grid_thw, blue_images.image_grid_thw]),
+        )
+        seen.clear()  # the teacher-forced forward ran the tower too
+        turn_3 = asyncio.run(engine.generate(third, params, images=both))[0]
+        assert seen == [1]
+        expected = _teacher_forced(model, third, turn_3.token_ids, both)
+        assert torch.allclose(torch.tensor(turn_3.logprobs), expected, atol=1e-4), (turn_3.logprobs, expected)
+    finally:
+        handle.remove()
+
+
+def test_grpo_group_with_one_image_runs_the_tower_once(setup):
+    """n completions of one image prompt, and sibling requests that send the same image with other text, in
+    one admission: one vision tower forward over one image; every logprob equals teacher forcing."""
+    model, tokenizer, engine = setup
+    picture = _picture("orange", (80, 80))
+    prompts = [_image_prompt(engine, tokenizer, picture, text) for text in ("Shape?", "Colour?", "Size?")]
+
+    async def run():
+        return await asyncio.gather(
+            *(
+                engine.generate(p, SamplingParams(temperature=1.0, max_tokens=12, n=4, seed=k), images=x)
+                for k, (p, x) in enumerate(prompts)
+            )
+        )
+
+    prefills = engine.stats()["prefills"]
+    seen, handle = _count_tower_images(model)
+    try:
+        groups = asyncio.run(run())
+    finally:
+        handle.remove()
+    if (
+        engine.stats()["prefills"] == prefills + 1
+    ):  # one admission (the usual case: the requests came together)
+        assert seen == [1]
+    assert sum(seen) <= len(prompts)
+    for (prompt, images), outs in zip(prompts, groups, strict=True):
+        assert len({tuple(o.token_ids) for o in outs}) > 1
+        for out in outs:
+            expected = _teacher_forced(model, prompt, out.token_ids, images)
+            assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4), (out.logprobs, expected)
