@@ -341,9 +341,13 @@ def export_hf_model(model: Any, tokenizer: Any, out_dir: Path, *, merge_lora: bo
     A peft model is merged into its base on a deep copy (the training model keeps its
     adapters and its exact base weights); with `merge_lora=False` only the adapter is saved.
     Pass an unsharded model (the policy worker gathers FSDP shards first). The folder is
-    written next to `out_dir` and renamed into place, like a checkpoint.
+    written next to `out_dir` and renamed into place, like a checkpoint. transformers writes
+    it one shard at a time, in shards of `EXPORT_SHARD_BYTES` (one `model.safetensors` for a
+    smaller model), the same layout and host-memory bound as the sharded export.
     """
     from peft import PeftModel
+
+    from agentrl.training.parallel.model_state import EXPORT_SHARD_BYTES
 
     out_dir = Path(out_dir)
     to_save = model
@@ -353,7 +357,7 @@ def export_hf_model(model: Any, tokenizer: Any, out_dir: Path, *, merge_lora: bo
     tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        to_save.save_pretrained(tmp)
+        to_save.save_pretrained(tmp, max_shard_size=EXPORT_SHARD_BYTES)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         _fsync_tree(tmp)

@@ -14,7 +14,8 @@ construction (model load, compilation and graph capture included: the cold start
 (above 1: agentrl is faster). agentrl's row also gives its peak host memory (process tree RSS, Ray workers
 included, and the machine's used memory above the start) and nvidia-smi's peak (`memory_phases.PeakSampler`).
 `--memory-phases` also prints agentrl's peak GPU memory per worker call
-(`benchmarks/memory_phases.py`).
+(`benchmarks/memory_phases.py`). An agentrl run that fails after training its steps (in the final HF export, say)
+still reports the steps it logged and its peaks, with the error beside them, and the command exits non-zero.
 
     python benchmarks/grpo_step.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16 --device cuda   # GPU
     python benchmarks/grpo_step.py --model tiny:qwen2 --dtype float32 --device cpu \\
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 QUESTIONS = [f"What is {a} plus {b}? Think step by step." for a in range(3, 40, 3) for b in range(2, 9, 3)]
@@ -120,11 +122,23 @@ def run_agentrl(args: argparse.Namespace) -> dict:
         )
         watcher.start()
         sampler = PeakSampler().start()
-        AgentTrainer(flow=SingleTurnChatFlow(), evaluator=score, train_dataset=rows, config=overrides).train()
-        memory = sampler.stop()
-        stop.set()
-        history = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    first, *steps = [r for r in history if "timing/step" in r]
+        error = None
+        try:
+            AgentTrainer(
+                flow=SingleTurnChatFlow(), evaluator=score, train_dataset=rows, config=overrides
+            ).train()
+        except Exception as exc:  # the steps logged before it are still measured; the error goes beside them
+            traceback.print_exc()
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            memory = sampler.stop()
+            stop.set()
+        metrics = Path(run_dir) / "metrics.jsonl"
+        history = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    timed = [r for r in history if "timing/step" in r]
+    if error and len(timed) < 2:  # the first step is warm-up: nothing measured
+        sys.exit(f"agentrl failed after {len(timed)} logged steps, before any measured one: {error}")
+    first, *steps = timed
     empty = [r.get("step") for r in steps if "response_length/mean" not in r]
     if empty:  # every episode of the step failed (a timeout, a dead engine): nothing was generated to time
         sys.exit(f"agentrl: steps {empty} trained nothing; the run's 'rollout ... failed' warnings say why")
@@ -149,6 +163,7 @@ def run_agentrl(args: argparse.Namespace) -> dict:
         "first_step_s": first_step[0] if first_step else float("nan"),
         # The first update's figures, for parity between runs that differ only in where they ran (scale.py).
         "first_update": {k: first.get(k) for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy")},
+        "error": error,
     }
 
 
@@ -258,14 +273,20 @@ def run_trainer_process(
 ) -> tuple[dict, str]:
     """Run `script argv --only name` in a fresh Python (so its peak memory and start-up are its own); returns the
     dict it printed on its `RESULT <json>` line and its whole stdout. With `show_log` its stderr (the trainer's
-    log) goes to this terminal as it runs. Exits, with the stderr's tail when captured, if it failed."""
+    log) goes to this terminal as it runs. Exits, with the stderr's tail when captured, if it failed without a
+    result; one that failed after printing its result (its `error` set) is returned, its stderr's tail shown."""
     command = [sys.executable, script, *argv, "--only", name]
     done = subprocess.run(
         command, stdout=subprocess.PIPE, stderr=None if show_log else subprocess.PIPE, text=True
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        sys.exit(f"{name} failed (exit {done.returncode}):\n{(done.stderr or '(its log is above)')[-4000:]}")
+    log_tail = (done.stderr or "(its log is above)")[-4000:]
+    if not lines:
+        sys.exit(f"{name} failed (exit {done.returncode}):\n{log_tail}")
+    if done.returncode != 0:
+        print(
+            f"{name} failed (exit {done.returncode}) after its measured steps:\n{log_tail}", file=sys.stderr
+        )
     return json.loads(lines[-1][len("RESULT ") :]), done.stdout
 
 
@@ -324,6 +345,8 @@ def main() -> None:
     if args.only:
         result = run_agentrl(args) if args.only == "agentrl" else run_trl(args)
         print("RESULT " + json.dumps(result), flush=True)
+        if result.get("error"):
+            sys.exit(1)
         return
     runs: dict[str, list[dict]] = {name: [] for name in args.trainers}
     for round_index in range(args.rounds):
@@ -331,6 +354,8 @@ def main() -> None:
             result, stdout = run_trainer_process(__file__, sys.argv[1:], name)
             runs[name].append(result)
             print(f"round {round_index + 1}: {name} steps {[round(s, 2) for s in runs[name][-1]['step_s']]}")
+            if result.get("error"):
+                print(f"round {round_index + 1}: {name} failed after these steps: {result['error']}")
             print("\n".join(line for line in stdout.splitlines() if line.startswith("MEMORY ")))
     table = {name: summarise(r) for name, r in runs.items()}
     print(
@@ -358,7 +383,11 @@ def main() -> None:
         )
         print(f"agentrl step parts (median s, last run): {runs['agentrl'][-1]['parts_s']}")
         print(f"agentrl engine counts per step (last run): {runs['agentrl'][-1]['engine_counts']}")
-    print(json.dumps({"table": table, "ratio_trl_over_agentrl": ratio}))
+    errors = {name: [r["error"] for r in rs if r.get("error")] for name, rs in runs.items()}
+    errors = {name: e for name, e in errors.items() if e}
+    print(json.dumps({"table": table, "ratio_trl_over_agentrl": ratio, "errors": errors}))
+    if errors:
+        sys.exit(f"measured, but runs failed: {errors}")
 
 
 if __name__ == "__main__":
