@@ -257,6 +257,17 @@ def _check_val_sampling(cfg: AgentRLConfig) -> list[str]:
     return []
 
 
+def _check_sft_stop(cfg: AgentRLConfig) -> list[str]:
+    """sft.stop_accuracy needs held-out rows to check: sft.val_rows >= 1."""
+    sft = cfg.sft
+    if sft.stop_accuracy is not None and sft.val_rows == 0:
+        return [
+            f"sft.stop_accuracy={sft.stop_accuracy} needs held-out rows to check, but sft.val_rows=0; "
+            f"set sft.val_rows to the number of SFT rows to hold out (e.g. 48) or sft.stop_accuracy=null"
+        ]
+    return []
+
+
 CROSS_FIELD_CHECKS: tuple[Callable[[AgentRLConfig], list[str]], ...] = (
     _check_actor_batch_sizes,
     _check_critic_batch_sizes,
@@ -272,6 +283,7 @@ CROSS_FIELD_CHECKS: tuple[Callable[[AgentRLConfig], list[str]], ...] = (
     _check_fsdp_size,
     _check_resource_pool,
     _check_val_sampling,
+    _check_sft_stop,
 )
 """Every cross-field rule, in the order problems are reported."""
 

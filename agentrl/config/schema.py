@@ -264,6 +264,12 @@ class SFTConfig(_Section):
     """SFT rows per optimizer step."""
     max_steps: int | None = Field(None, ge=1)
     """Stop SFT after this many steps; null runs all epochs."""
+    val_rows: int = Field(0, ge=0)
+    """Hold out the last N rows of the SFT data (not trained on) and check their greedy accuracy every val_freq steps; 0: no check."""
+    val_freq: int = Field(25, ge=1)
+    """SFT steps between checks of the held-out rows (and one after the last step)."""
+    stop_accuracy: float | None = Field(None, gt=0.0, le=1.0)
+    """End SFT at the first check where at least this share of the held-out rows' responses is the model's greedy output; null runs max_steps / epochs."""
 
 
 class AsyncTrainingConfig(_Section):

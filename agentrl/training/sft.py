@@ -7,10 +7,17 @@ model's chat template), including a row's `tools` schema: a model warm-started o
 the same tool preamble at RL time, when the flow passes `tools=`. Rows with images (verl's `images` beside
 `<image>`, or image parts) train a vision-language policy on the same pixels and image pads the engine
 would serve (`agentrl.rollout.engines.vision`). A progress bar counts the steps.
+
+Where a warm start ends decides whether RL has anything to compare: a fixed step count lands on either side of
+a sharp jump in what a small model gets right, depending on the data order. With `sft.val_rows`, the last rows
+are held out and checked every `sft.val_freq` steps (the share whose response is the model's greedy output),
+and `sft.stop_accuracy` ends the warm start at the first check that reaches it: every seed then starts RL
+from the same competence rather than the same step.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +31,8 @@ from agentrl.rollout.engines.vision import build_image_prompt, collect_image_ref
 from agentrl.tracking import progress_bar
 from agentrl.training.optim import build_optimizer
 from agentrl.training.parallel.distributed import all_reduce_sum, is_distributed, world_size
+
+log = logging.getLogger("agentrl")
 
 
 def reference_response(row: dict[str, Any]) -> str:
@@ -66,9 +75,17 @@ def run_sft(
     pad_token_id: int,
     prompt_key: str = "prompt",
 ) -> dict[str, float]:
-    """Train `model` in place for `sft.epochs` (or `sft.max_steps`); returns the first and last loss."""
+    """Train `model` in place for `sft.epochs` (or `sft.max_steps`), or until the held-out rows (the last
+    `sft.val_rows`) reach `sft.stop_accuracy`; returns the first and last loss, the steps run and the last
+    held-out accuracy (`sft/val_accuracy`, with val_rows)."""
+    if sft.val_rows >= len(rows):
+        raise ValueError(
+            f"sft.val_rows={sft.val_rows} would hold out all {len(rows)} SFT rows; set it below {len(rows)}"
+        )
     vision = getattr(model.config, "vision_config", None) is not None
     examples = build_sft_examples(tokenizer, rows, prompt_key, model if vision else None)
+    held_out = examples[len(examples) - sft.val_rows :] if sft.val_rows else []
+    examples = examples[: len(examples) - sft.val_rows]
     device = next(model.parameters()).device
     optimizer = build_optimizer(model.parameters(), _SFTOptim(sft.lr))
     rng = random.Random(seed)
@@ -80,9 +97,10 @@ def run_sft(
     batches = batches[: sft.max_steps] if sft.max_steps is not None else batches
     model.train()
     losses: list[float] = []
+    accuracy: dict[str, float] = {}
     rows_here = 0
     with progress_bar("sft", len(batches)) as bar:
-        for batch in batches:
+        for step, batch in enumerate(batches, 1):
             mine, weight = _share_of(batch)
             input_ids, labels, attention = _pad([examples[i][:2] for i in mine], pad_token_id)
             out = model(
@@ -101,7 +119,45 @@ def run_sft(
             rows_here += len(mine) if weight else 0
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    return {**_summary(losses, len(losses)), "sft/rows_on_rank0": float(rows_here)}
+            if held_out and (step % sft.val_freq == 0 or step == len(batches)):
+                accuracy["sft/val_accuracy"] = greedy_match_rate(
+                    model, held_out, pad_token_id, sft.batch_size
+                )
+                log.info("sft step %d: held-out accuracy %.3f", step, accuracy["sft/val_accuracy"])
+                if sft.stop_accuracy is not None and accuracy["sft/val_accuracy"] >= sft.stop_accuracy:
+                    break
+    return {**_summary(losses, len(losses)), **accuracy, "sft/rows_on_rank0": float(rows_here)}
+
+
+def greedy_match_rate(
+    model: torch.nn.Module,
+    examples: Sequence[tuple[list[int], list[int], Any]],
+    pad_token_id: int,
+    batch_size: int,
+) -> float:
+    """Share of `examples` whose every response token (loss-mask 1, end of turn included) is the argmax of the
+    model's logits after the tokens before it. With the reference as context this is exactly the share that
+    greedy decoding from the prompt reproduces, at the cost of one forward pass per example."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    hits = 0
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start : start + batch_size]
+            input_ids, labels, attention = _pad([e[:2] for e in chunk], pad_token_id)
+            input_ids = input_ids.to(device)
+            logits = model(
+                input_ids=input_ids,
+                attention_mask=attention.to(device),
+                use_cache=False,
+                **_pixels([e[2] for e in chunk], input_ids, model),
+            ).logits
+            target = labels[:, 1:].to(device)
+            right = (logits[:, :-1].argmax(-1) == target) | (target == -100)
+            hits += int(right.all(-1).sum())
+    model.train(was_training)
+    return hits / len(examples)
 
 
 def _share_of(batch: list[int]) -> tuple[list[int], float]:

@@ -124,6 +124,7 @@ from agentrl.config import validate_config
             {"actor_rollout_ref.rollout.val_kwargs.n": 4},
             ["actor_rollout_ref.rollout.val_kwargs.n=4 with do_sample=false"],
         ),
+        ({"sft.stop_accuracy": 0.5}, ["sft.stop_accuracy=0.5 needs held-out rows", "sft.val_rows=0"]),
     ],
 )
 def test_broken_rule_names_keys_and_fix(problems_for, dotted, fragments):

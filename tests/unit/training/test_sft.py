@@ -1,4 +1,5 @@
-"""Supervised warm start: loss mask on the response only, and a few steps lower the loss."""
+"""Supervised warm start: loss mask on the response only, a few steps lower the loss, and the held-out check
+(greedy accuracy of the last rows) ends it once it reaches sft.stop_accuracy."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from agentrl.config.schema import SFTConfig
 from agentrl.data import sample_path
 from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
-from agentrl.training.sft import _pad, build_sft_examples, reference_response, run_sft
+from agentrl.training.sft import _pad, build_sft_examples, greedy_match_rate, reference_response, run_sft
 
 MODEL = "tiny:qwen2-mini"
 
@@ -143,3 +144,59 @@ def test_image_rows_warm_start_a_vision_language_policy_on_their_pixels():
     sft = SFTConfig(epochs=20, lr=1e-3, batch_size=1)
     metrics = run_sft(model, tokenizer, [row], sft, seed=0, pad_token_id=tokenizer.pad_token_id)
     assert metrics["sft/final_loss"] < metrics["sft/first_loss"]
+
+
+def test_greedy_match_rate_is_the_share_that_greedy_decoding_reproduces(model_path, tokenizer, rows):
+    """One teacher-forced forward gives the same verdict per row as generating greedily from the prompt."""
+    torch.manual_seed(0)
+    model = load_causal_lm(model_path)
+    run_sft(model, tokenizer, rows, SFTConfig(lr=3e-3, batch_size=4, epochs=30, max_steps=30), seed=1,
+            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    examples = build_sft_examples(tokenizer, rows)
+    model.eval()
+    reproduced = []
+    for ids, mask, _ in examples:
+        first = mask.index(1)
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids[:first]]), max_new_tokens=len(ids) - first, do_sample=False
+            )
+        reproduced.append(out[0, first:].tolist() == ids[first:])
+    assert 0 < sum(reproduced) < len(rows)  # some rows right, some wrong: the comparison means something
+    rate = greedy_match_rate(model, examples, tokenizer.pad_token_id, batch_size=3)
+    assert rate == sum(reproduced) / len(rows)
+    assert not model.training  # the mode it was in
+
+
+def test_the_held_out_check_ends_the_warm_start_once_it_reaches_stop_accuracy(model_path, tokenizer, rows):
+    """The last val_rows rows are not trained on; here they repeat a training row, so they are learnt early."""
+    data = [rows[0]] * 6 + rows[1:4] + [rows[0]] * 2
+    sft = SFTConfig(
+        lr=3e-3, batch_size=4, epochs=1000, max_steps=200, val_rows=2, val_freq=5, stop_accuracy=1.0
+    )
+    torch.manual_seed(0)
+    metrics = run_sft(
+        load_causal_lm(model_path), tokenizer, data, sft, seed=1, pad_token_id=tokenizer.pad_token_id
+    )
+    assert metrics["sft/val_accuracy"] == 1.0
+    assert metrics["sft/steps"] < 200 and metrics["sft/steps"] % 5 == 0
+
+    no_stop = sft.model_copy(update={"stop_accuracy": None, "max_steps": 12})
+    metrics = run_sft(load_causal_lm(model_path), tokenizer, data, no_stop, seed=1,
+                      pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    assert metrics["sft/steps"] == 12 and "sft/val_accuracy" in metrics  # checked after the last step
+
+
+def test_held_out_rows_are_not_trained_on(model_path, tokenizer, rows):
+    """One epoch of 8 rows with 3 held out is 5 steps of one row each."""
+    sft = SFTConfig(lr=1e-3, batch_size=1, epochs=1, val_rows=3, val_freq=100)
+    metrics = run_sft(
+        load_causal_lm(model_path), tokenizer, rows, sft, seed=1, pad_token_id=tokenizer.pad_token_id
+    )
+    assert metrics["sft/steps"] == 5 and metrics["sft/rows_on_rank0"] == 5
+    assert 0.0 <= metrics["sft/val_accuracy"] <= 1.0
+
+
+def test_holding_out_every_row_is_refused(model_path, tokenizer, rows):
+    with pytest.raises(ValueError, match="sft.val_rows=8 would hold out all 8 SFT rows"):
+        run_sft(load_causal_lm(model_path), tokenizer, rows, SFTConfig(val_rows=8), seed=1, pad_token_id=0)
