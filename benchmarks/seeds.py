@@ -10,8 +10,10 @@ last one, the gain in points, the wall time) and the summary a README quotes: me
     python benchmarks/seeds.py --seeds 1 2 3 -- python cookbooks/math/train.py trainer.total_training_steps=20
 
 The accuracies come from `<out>/seed_S/metrics.jsonl` (`val/accuracy` at step 0 and at the last validation),
-else from the `held-out accuracy A -> B` line the cookbooks and `agentrl train` print. Each seed's output is
-kept in `<out>/seed_S.log`. Runs go one at a time: on a small machine, parallel runs would change the wall
+else from the `held-out accuracy A -> B` line the cookbooks and `agentrl train` print. Where the run saved its
+validation episodes (`rollouts/val_step_N.jsonl`), the gain's standard error is the paired one over the
+held-out tasks: the standard deviation of (after - before) per task over the square root of their number. Each
+seed's output is kept in `<out>/seed_S.log`. Runs go one at a time: on a small machine, parallel runs would change the wall
 times and, through thread scheduling, nothing else.
 """
 
@@ -39,6 +41,8 @@ class SeedRun:
     after: float | None
     episodes: int | None
     """Held-out episodes behind each accuracy (val/num_episodes), when metrics.jsonl has it."""
+    gain_se: float | None
+    """Paired standard error of the gain in points, from the saved validation episodes."""
     wall_s: float
     returncode: int
 
@@ -50,9 +54,11 @@ class SeedRun:
         return 100.0 * (self.after - self.before)
 
 
-def read_accuracies(run_dir: Path, output: str) -> tuple[float | None, float | None, int | None]:
-    """(before, after, held-out episodes): step 0's val/accuracy and the last one in metrics.jsonl, else the
-    last `held-out accuracy A -> B` line of `output`."""
+def read_accuracies(
+    run_dir: Path, output: str
+) -> tuple[float | None, float | None, int | None, float | None]:
+    """(before, after, held-out episodes, the gain's paired standard error in points): step 0's val/accuracy
+    and the last one in metrics.jsonl, else the last `held-out accuracy A -> B` line of `output`."""
     validations = []
     path = run_dir / "metrics.jsonl"
     if path.is_file():
@@ -66,12 +72,32 @@ def read_accuracies(run_dir: Path, output: str) -> tuple[float | None, float | N
         validations = [by_step[s] for s in sorted(by_step) if by_step[s].get("val/accuracy") is not None]
     if len(validations) >= 2 and min(r["step"] for r in validations) == 0:
         episodes = validations[-1].get("val/num_episodes")
-        return validations[0]["val/accuracy"], validations[-1]["val/accuracy"], episodes and int(episodes)
+        se = paired_standard_error(run_dir / "rollouts", int(validations[-1]["step"]))
+        return validations[0]["val/accuracy"], validations[-1]["val/accuracy"], episodes and int(episodes), se
     found = SUMMARY_LINE.findall(output)
     if found:
         before, after = found[-1]
-        return float(before), float(after), None
-    return None, None, None
+        return float(before), float(after), None, None
+    return None, None, None, None
+
+
+def paired_standard_error(rollouts: Path, last_step: int) -> float | None:
+    """Standard error in points of the mean per-task change in correctness between the validation episodes of
+    step 0 and of `last_step` (a task's episodes averaged); None unless both files hold the same tasks."""
+    before, after = (_task_scores(rollouts / f"val_step_{step:06d}.jsonl") for step in (0, last_step))
+    if not before or before.keys() != after.keys() or len(before) < 2:
+        return None
+    changes = [after[task] - before[task] for task in before]
+    return 100.0 * statistics.stdev(changes) / len(changes) ** 0.5
+
+
+def _task_scores(path: Path) -> dict[str, float]:
+    scores: dict[str, list[float]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            episode = json.loads(line)
+            scores.setdefault(episode["task_id"], []).append(float(bool(episode["is_correct"])))
+    return {task: sum(v) / len(v) for task, v in scores.items()}
 
 
 def run_seed(command: list[str], seed: int, out: Path, timeout: float | None) -> SeedRun:
@@ -87,8 +113,8 @@ def run_seed(command: list[str], seed: int, out: Path, timeout: float | None) ->
         returncode = -1
     wall = time.monotonic() - start
     (out / f"seed_{seed}.log").write_text(output)
-    before, after, episodes = read_accuracies(run_dir, output)
-    result = SeedRun(seed, before, after, episodes, wall, returncode)
+    before, after, episodes, se = read_accuracies(run_dir, output)
+    result = SeedRun(seed, before, after, episodes, se, wall, returncode)
     status = "ok" if returncode == 0 else f"exit {returncode} (log: {out / f'seed_{seed}.log'})"
     print(
         f"seed {seed}: {_accuracy(before)} -> {_accuracy(after)} in {_clock(wall)}, {status}", file=sys.stderr
@@ -104,8 +130,9 @@ def render_table(runs: list[SeedRun]) -> str:
     ]
     for run in runs:
         failed = "" if run.returncode == 0 else " (failed)"
+        se = "" if run.gain_se is None else f" ± {run.gain_se:.1f}"
         lines.append(
-            f"| {run.seed}{failed} | {_accuracy(run.before)} | {_accuracy(run.after)} | {_points(run.gain)} "
+            f"| {run.seed}{failed} | {_accuracy(run.before)} | {_accuracy(run.after)} | {_points(run.gain)}{se} "
             f"| {run.episodes or '-'} | {_clock(run.wall_s)} |"
         )
     return "\n".join([*lines, "", summary_line(runs)])
