@@ -114,3 +114,39 @@ class PrefixCache:
             self._parked.move_to_end(slot)
             return PrefixMatch(slot, length, whole=length == len(tokens))
         return None
+
+
+def shared_prefixes(
+    prompts: dict[int, list[int]], starts: dict[int, int], min_gain: int
+) -> dict[int, tuple[int, int]]:
+    """Prompts of one admission that can start from another's prefix: follower -> (leader, tokens shared).
+
+    Nothing is parked for prompts that share a prefix but arrive together (a served benchmark's requests
+    over a few long system prompts, the first turns of agents with one system prompt): each would compute the
+    prefix again. Here a prompt follows the earliest prompt, itself no follower, with which it shares the most
+    whole blocks (then token by token), when that saves at least `min_gain` tokens beyond the `starts` it
+    already has (a parked prefix); at least one of its tokens is left to compute."""
+    leaders: dict[int, int] = {}
+    followers: dict[int, tuple[int, int]] = {}
+    for i, prompt in prompts.items():
+        hashes = block_hashes(prompt)
+        found = None
+        for blocks in range(len(hashes), 0, -1):
+            leader = leaders.get(hashes[blocks - 1])
+            if leader is not None:
+                found = (leader, blocks * BLOCK_TOKENS)
+                break
+        if found is not None:
+            leader, length = found
+            other = prompts[leader]
+            if other[:length] == prompt[:length]:  # a hash collision never shares what differs
+                limit = min(len(other), len(prompt) - 1)
+                while length < limit and other[length] == prompt[length]:
+                    length += 1
+                length = min(length, len(prompt) - 1)
+                if length - starts.get(i, 0) >= min_gain:
+                    followers[i] = (leader, length)
+                    continue
+        for value in hashes:
+            leaders.setdefault(value, i)
+    return followers

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from agentrl.models.compile_cache import use_compile_cache
-from agentrl.rollout.engines._prefix_cache import PrefixCache
+from agentrl.rollout.engines._prefix_cache import PrefixCache, shared_prefixes
 from agentrl.rollout.engines._sampling import as_int64, sample_on_device
 from agentrl.rollout.engines._slot_decode import KVShape, decode_step, extend_step, prefill_slots, text_config
 from agentrl.rollout.engines.vision import (
@@ -51,6 +52,10 @@ logger = logging.getLogger(__name__)
 MIN_LENGTH = 256
 MIN_BUCKET = 8
 CACHE_SHARE_OF_FREE_MEMORY = 0.9
+SPAN_STEP = 64
+"""Granularity of the cache span an eager decode step reads (`SlotBatch._span`)."""
+SHARED_PREFIX_MIN_GAIN = 32
+"""Fewest prompt tokens a shared prefix within one admission must save to be worth a second prefill forward."""
 EXTEND_MAX_TOKENS = 64
 """Prompts with at most this many tokens left to compute (a next turn over a cached history) go through
 `extend_step`'s graphs; longer ones through the packed `prefill_slots`."""
@@ -181,7 +186,10 @@ class SlotBatch:
             ("prompt_tokens", "prefix_hit_tokens", "prefill_tokens", "prefill_forwards", "prefill_s"), 0
         )
         """Cumulative: prompt tokens admitted, of them found in the cache, tokens computed by prefill forwards,
-        those forwards and their seconds (`EmbeddedEngine.stats`)."""
+        those forwards and their seconds (`EmbeddedEngine.stats`; on CUDA, device time read off events once
+        they complete: `settle_timings`)."""
+        self._prefill_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._events_lock = threading.Lock()
         self.setup_s = {"cache_alloc_s": 0.0, "graph_capture_s": 0.0}
         """Cumulative seconds spent (re)allocating the cache and capturing graphs: both recur after each
         sleep, inside the prefill and decode time the engine reports."""
@@ -209,6 +217,8 @@ class SlotBatch:
         prompt starts from the parked slot holding its longest prefix (taking the slot over when the prompt
         extends all it holds: an agent's next turn), and identical prompts of one admission (GRPO siblings
         sent as separate requests) are computed once; only the rest is prefilled (`prefill_slots`, packed).
+        Text prompts of one admission that share a prefix not parked anywhere (`shared_prefixes`) compute it
+        once: the first of them in a first forward, the others from a copy of it in a second.
         `images`: each prompt's pixels (None for a text prompt); prompts are compared by `prefix_key`, which
         tells images apart.
         """
@@ -240,24 +250,26 @@ class SlotBatch:
             self.counters["prefix_hit_tokens"] += start
             plan.prefill[i] = (slot, start)
         self._copy_prefixes(plan.copies_before)
-        computed = {i: prompts[i][start:] for i, (_, start) in plan.prefill.items()}
-        pixels = {i: images[i] for i in plan.prefill if images[i] is not None}
-        vision: dict[int, PromptImages] = {}
-        if pixels:
-            starts = {i: plan.prefill[i][1] for i in pixels}
-            vision = self.images.prepare({i: prompts[i] for i in pixels}, pixels, starts)
-        short = {
-            i: at
-            for i, at in plan.prefill.items()
-            if len(computed[i]) <= EXTEND_MAX_TOKENS
-            and (i not in vision or vision[i].pads_before[-1] == vision[i].pads_before[at[1]])
-        }  # pads to compute go through `prefill_slots`, which reads image features
-        long = {i: at for i, at in plan.prefill.items() if i not in short}
-        offsets = {i: vision[i].offset if i in vision else 0 for i in plan.prefill}
-        last_logits = {
-            **self._prefill_chunks(long, computed, vision),
-            **self._extend(short, computed, offsets),
-        }
+        text = {i: prompts[i] for i in plan.prefill if images[i] is None}
+        followers = (
+            shared_prefixes(text, {i: plan.prefill[i][1] for i in text}, SHARED_PREFIX_MIN_GAIN)
+            if self.prefix_caching
+            else {}
+        )
+        first = {i: at for i, at in plan.prefill.items() if i not in followers}
+        last_logits, offsets = self._prefill_planned(first, prompts, images)
+        if followers:  # their leaders' prefixes are computed now: copy them, prefill the rest
+            self._copy_prefixes(
+                [(plan.prefill[j][0], plan.prefill[i][0], n) for i, (j, n) in followers.items()]
+            )
+            for i, (_, length) in followers.items():
+                self.counters["prefix_hit_tokens"] += length - plan.prefill[i][1]
+                plan.prefill[i] = (plan.prefill[i][0], length)
+            more, more_offsets = self._prefill_planned(
+                {i: plan.prefill[i] for i in followers}, prompts, images
+            )
+            last_logits.update(more)
+            offsets.update(more_offsets)
         row_slots: list[int] = []
         row_logits: list[torch.Tensor] = []
         copies_after: list[tuple[int, int, int]] = []
@@ -282,6 +294,31 @@ class SlotBatch:
                     self._image_keys[slot] = keys[i]
         return torch.stack(row_logits)
 
+    def _prefill_planned(
+        self,
+        prefill: dict[int, tuple[int, int]],
+        prompts: list[list[int]],
+        images: list[ImageInputs | None],
+    ) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
+        """Compute each planned prompt from its start position: short runs through `_extend`, the rest (and
+        any that computes image pads) through `_prefill_chunks`; their last logits and rotary offsets."""
+        computed = {i: prompts[i][start:] for i, (_, start) in prefill.items()}
+        pixels = {i: images[i] for i in prefill if images[i] is not None}
+        vision: dict[int, PromptImages] = {}
+        if pixels:
+            starts = {i: prefill[i][1] for i in pixels}
+            vision = self.images.prepare({i: prompts[i] for i in pixels}, pixels, starts)
+        short = {
+            i: at
+            for i, at in prefill.items()
+            if len(computed[i]) <= EXTEND_MAX_TOKENS
+            and (i not in vision or vision[i].pads_before[-1] == vision[i].pads_before[at[1]])
+        }  # pads to compute go through `prefill_slots`, which reads image features
+        long = {i: at for i, at in prefill.items() if i not in short}
+        offsets = {i: vision[i].offset if i in vision else 0 for i in prefill}
+        logits = {**self._prefill_chunks(long, computed, vision), **self._extend(short, computed, offsets)}
+        return logits, offsets
+
     def _take_slot(self, preserved: set[int]) -> int:
         """A slot for a new row: a free one, else the least recently used parked one, sparing those this
         admission copies from while another will do. Taking a slot that is copied from is still safe: every
@@ -300,8 +337,8 @@ class SlotBatch:
         layer (a target gets up to the longest n; what lies past its own n is overwritten or masked)."""
         if not copies:
             return
-        sources = torch.tensor([c[0] for c in copies], device=self.device)
-        targets = torch.tensor([c[1] for c in copies], device=self.device)
+        sources = self._to_device([c[0] for c in copies])
+        targets = self._to_device([c[1] for c in copies])
         longest = max(c[2] for c in copies)
         with torch.inference_mode():
             for cache in (*self.keys, *self.values):
@@ -316,7 +353,7 @@ class SlotBatch:
         items = list(prefill.items())
         for first in range(0, len(items), self.max_slots):
             group = items[first : first + self.max_slots]
-            started = time.perf_counter()
+            started = self._prefill_started()
             rows = self._bucket(len(group))
             width = min(
                 EXTEND_MAX_TOKENS,
@@ -337,11 +374,7 @@ class SlotBatch:
             out = self._extend_call(tokens, positions, slots, last, span, rope_offsets)
             for row, (i, _) in enumerate(group):
                 logits[i] = out[row]
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.counters["prefill_tokens"] += sum(len(computed[i]) for i, _ in group)
-            self.counters["prefill_forwards"] += 1
-            self.counters["prefill_s"] += time.perf_counter() - started
+            self._prefill_done(started, sum(len(computed[i]) for i, _ in group))
         return logits
 
     def _extend_call(
@@ -366,7 +399,7 @@ class SlotBatch:
             buffers = tuple(torch.zeros_like(t, device=self.device) for t in (*inputs, rope_offsets))
             self._extend_inputs[key[:3]] = buffers
         for target, source in zip(buffers, (*inputs, rope_offsets), strict=True):
-            target.copy_(source, non_blocking=True)
+            target.copy_(self._to_device(source))
         if key not in self._graphs:
 
             def step() -> torch.Tensor:
@@ -405,7 +438,7 @@ class SlotBatch:
                     break
                 batch.append((i, slot, start, ids[:take]))
                 tokens, span, width = tokens + take, longer, wider
-            started = time.perf_counter()
+            started = self._prefill_started()
             packed = self.images.pack([(b[3], b[2], vision.get(b[0])) for b in batch]) if vision else None
             out = prefill_slots(
                 self.model, self.keys, self.values, [b[1] for b in batch], [b[2] for b in batch],
@@ -419,12 +452,43 @@ class SlotBatch:
                 else:
                     logits[i] = out[row]
             pending = left_over + pending[len(batch) :]
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.counters["prefill_tokens"] += tokens
-            self.counters["prefill_forwards"] += 1
-            self.counters["prefill_s"] += time.perf_counter() - started
+            self._prefill_done(started, tokens)
         return logits
+
+    def _prefill_started(self) -> float | torch.cuda.Event:
+        """Mark the start of a prefill forward: a CUDA event on the device (waiting for the device to time
+        it would stall the host behind the decode step launched ahead), the clock elsewhere."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def _prefill_done(self, started: float | torch.cuda.Event, tokens: int) -> None:
+        self.counters["prefill_tokens"] += tokens
+        self.counters["prefill_forwards"] += 1
+        if isinstance(started, float):
+            self.counters["prefill_s"] += time.perf_counter() - started
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        with self._events_lock:
+            self._prefill_events.append((started, end))
+        self.settle_timings(wait=False)
+
+    def settle_timings(self, wait: bool = True) -> None:
+        """Add the device time of completed prefill forwards to `counters["prefill_s"]`; with `wait`, first wait
+        for the last one recorded (what a stats reader wants)."""
+        with self._events_lock:
+            if wait and self._prefill_events:
+                self._prefill_events[-1][1].synchronize()
+            done = 0
+            for start, end in self._prefill_events:
+                if not end.query():
+                    break
+                self.counters["prefill_s"] += start.elapsed_time(end) / 1000
+                done += 1
+            del self._prefill_events[:done]
 
     def keep(self, rows: list[int], finished: dict[int, list[int]] | None = None) -> None:
         """Keep only `rows` (in that order). A dropped row listed in `finished` (row -> the token ids its slot
@@ -486,19 +550,28 @@ class SlotBatch:
         ids, positions = [0] * bucket, [self.sink] * bucket
         for slot, token, position in zip(self._row_slots, token_ids, self._row_positions, strict=True):
             ids[slot], positions[slot] = token, position
-        self._token_ids[:bucket].copy_(torch.tensor(ids), non_blocking=True)
-        self._positions[:bucket].copy_(torch.tensor(positions), non_blocking=True)
+        self._token_ids[:bucket].copy_(self._to_device(ids))
+        self._positions[:bucket].copy_(self._to_device(positions))
         if self.cuda_graphs:
             graph, logits = self._graph(bucket)
             graph.replay()
         else:
             logits = self._step(bucket)
         self._row_positions = [p + 1 for p in self._row_positions]
-        return logits.index_select(0, torch.tensor(self._row_slots, device=self.device))
+        return logits.index_select(0, self._to_device(self._row_slots))
 
     def _set_slots(self, slots: list[int], target: torch.Tensor, values: list) -> None:
-        index = torch.tensor(slots, device=self.device)
-        target.index_copy_(0, index, torch.tensor(values, dtype=target.dtype, device=self.device))
+        target.index_copy_(0, self._to_device(slots), self._to_device(values, target.dtype))
+
+    def _to_device(self, values: list | torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """`values` on the engine's device without waiting for it: on CUDA through pinned host memory and an
+        asynchronous copy. A plain `torch.tensor(..., device=cuda)` copies from pageable memory, which waits
+        for every kernel queued before it: each retired row then stalled the host until the decode step
+        launched one step ahead had finished, and the host could no longer prepare the next step meanwhile."""
+        host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     # ----- decoding without a host round trip ------------------------------------------------------
     def load_rows(self, start: int, sampling: SlotSampling, tokens: list[int] | None = None) -> None:
@@ -518,7 +591,7 @@ class SlotBatch:
     def draw_first(self, logits: torch.Tensor, start: int, needs: tuple[bool, bool]) -> DeviceDraw:
         """Draw the first token of rows `start`.. from their prefill `logits` (rows, V), on the device."""
         slots = self._row_slots[start:]
-        index = torch.tensor(slots, device=self.device)
+        index = self._to_device(slots)
         chosen, logprob = self._sample_on_device(
             logits,
             *(state.index_select(0, index) for state in (self._temperature, self._top_p, self._top_k)),
@@ -586,9 +659,17 @@ class SlotBatch:
 
     def _step(self, bucket: int) -> torch.Tensor:
         offsets = self._rope_offsets[:bucket] if self.images else None
-        return self._decode_step(
-            self.model, self.keys, self.values, self._token_ids[:bucket], self._positions[:bucket], offsets
-        )
+        ids, positions = self._token_ids[:bucket], self._positions[:bucket]
+        if self.cuda_graphs:  # one graph per bucket reads the whole cache length
+            return self._decode_step(self.model, self.keys, self.values, ids, positions, offsets)
+        return self._decode_step(self.model, self.keys, self.values, ids, positions, offsets, self._span())
+
+    def _span(self) -> int:
+        """Cache positions a decode step must read: past every running row's next position (a multiple of
+        `SPAN_STEP`). Without graphs the step's shapes may change each time; attention over the whole cache
+        would cost as if every row were as long as the longest allowed."""
+        reach = max(self._row_positions, default=0) + 1
+        return min(self.length, -(-reach // SPAN_STEP) * SPAN_STEP)
 
     def _bucket(self, needed: int) -> int:
         return min(self.max_slots, max(MIN_BUCKET, _next_power_of_two(needed)))

@@ -136,12 +136,14 @@ def decode_step(
     token_ids: torch.Tensor,
     positions: torch.Tensor,
     rope_offsets: torch.Tensor | None = None,
+    span: int | None = None,
 ) -> torch.Tensor:
     """Feed token_ids[i] at positions[i] of slot i (i < b); write its keys and values; return logits (b, V).
 
     keys[l] / values[l]: (slots, kv_heads, length, D); slot i attends to its positions 0..positions[i].
     `rope_offsets` (b,) long: the rotary position is positions[i] + rope_offsets[i] (a multimodal sequence's
-    offset after its images; broadcast to the three mrope components).
+    offset after its images; broadcast to the three mrope components). `span`: attention reads only cache
+    positions 0..span-1, which must hold every running row's position (idle slots write past it, unread).
     """
     inner = text_model(model)
     batch = token_ids.shape[0]
@@ -151,7 +153,7 @@ def decode_step(
     cos, sin = inner.rotary_emb(hidden, rope.unsqueeze(1))  # (b, 1, D)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     slots = torch.arange(batch, device=token_ids.device)
-    length = keys[0].shape[2]
+    length = keys[0].shape[2] if span is None else span
     visible = (torch.arange(length, device=token_ids.device).unsqueeze(0) <= positions.unsqueeze(1)).view(
         batch, 1, 1, length
     )
@@ -166,7 +168,11 @@ def decode_step(
         # Grouped-query attention without repeating keys: a kv head's query heads act as its query rows.
         grouped = q.reshape(batch, shape.kv_heads, -1, shape.head_dim)
         out = F.scaled_dot_product_attention(
-            grouped, keys[index][:batch], values[index][:batch], attn_mask=visible, scale=attn.scaling
+            grouped,
+            keys[index][:batch, :, :length],
+            values[index][:batch, :, :length],
+            attn_mask=visible,
+            scale=attn.scaling,
         )
         hidden = hidden + attn.o_proj(out.reshape(batch, 1, -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

@@ -106,6 +106,31 @@ def test_siblings_sent_as_separate_requests_share_one_prefill(model, tokenizer):
         engine.close()
 
 
+def test_prompts_arriving_together_compute_their_shared_prefix_once_and_stay_exact(model, tokenizer):
+    """Four different questions behind one long system prompt, admitted together with nothing parked: the
+    system prompt is computed for the first only, the others copy it and compute their own tails."""
+    engine = _engine(model, tokenizer)
+    prompts = [_prompt(tokenizer, f"Question {i}: what is {i} + {i}?") for i in range(4)]
+    shared = next(n for n in range(len(prompts[0])) if len({tuple(p[: n + 1]) for p in prompts}) > 1)
+    assert shared >= 32  # the system prompt and the user turn's opening
+
+    async def run():
+        calls = [
+            engine.generate(p, SamplingParams(temperature=1.0, max_tokens=8, seed=i))
+            for i, p in enumerate(prompts)
+        ]
+        return [outs[0] for outs in await asyncio.gather(*calls)]
+
+    try:
+        outs = asyncio.run(run())
+        stats = engine.stats()
+        assert stats["prefill_tokens"] == sum(len(p) for p in prompts) - 3 * shared
+        assert stats["prefix_cache_hits"] == 3 * shared
+        assert max(_gap(model, p, o) for p, o in zip(prompts, outs, strict=True)) < 1e-4
+    finally:
+        engine.close()
+
+
 def test_an_evicted_prefix_is_recomputed_not_read(model, tokenizer):
     engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=2, max_model_len=256)
     try:

@@ -1,6 +1,6 @@
 """The prefix index: longest exact match, take-over vs copy, least-recently-used eviction."""
 
-from agentrl.rollout.engines._prefix_cache import BLOCK_TOKENS, PrefixCache
+from agentrl.rollout.engines._prefix_cache import BLOCK_TOKENS, PrefixCache, shared_prefixes
 
 
 def test_the_longest_parked_prefix_wins_and_extends_past_block_edges():
@@ -47,3 +47,20 @@ def test_of_several_slots_holding_a_prefix_the_most_recently_used_is_chosen():
     assert cache.longest(shared_only).slot == 9  # parked last
     assert cache.longest(list(range(16)) + [107] * 16 + [1]).slot == 7  # slot 7 used since
     assert cache.longest(shared_only).slot == 7
+
+
+def test_prompts_of_one_admission_follow_the_first_that_shares_their_prefix():
+    system = list(range(1000, 1050))  # 50 shared tokens: three whole blocks and two more
+    prompts = {
+        0: system + [1, 2],
+        1: system + [3, 4, 5],
+        2: [7] * 60,
+        3: system[:20] + [9] * 40,
+        4: system + [1, 2],
+    }
+    followers = shared_prefixes(prompts, {}, min_gain=16)
+    # 4 equals 0 but for its last token, which stays to be computed; 3 shares only 20 tokens (one block plus four).
+    assert followers == {1: (0, 50), 3: (0, 20), 4: (0, 51)}
+    assert shared_prefixes(prompts, {}, min_gain=32) == {1: (0, 50), 4: (0, 51)}
+    # a prompt that already starts past the shared part (a parked prefix of its own) follows nobody
+    assert 1 not in shared_prefixes(prompts, {1: 40}, min_gain=16)
