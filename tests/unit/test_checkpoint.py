@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from agentrl.checkpoint import (
     COMPLETE_MARKER,
@@ -26,6 +26,7 @@ from agentrl.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from tests._random_qwen2 import random_qwen2
 
 
 def _write_weights(value):
@@ -200,17 +201,7 @@ def test_resume_modes(root, tmp_path):
 
 
 def _tiny_model():
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    return random_qwen2(num_hidden_layers=1)
 
 
 @torch.no_grad()

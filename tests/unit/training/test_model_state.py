@@ -9,25 +9,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
 from agentrl.training.parallel.model_state import save_full_weights
 from agentrl.training.parallel.served_weights import served_state_dict
+from tests._random_qwen2 import random_qwen2
 
 
 def _tiny_model(tied: bool) -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    return random_qwen2(tied=tied)
 
 
 def _weight_files(folder):

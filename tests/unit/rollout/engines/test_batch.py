@@ -2,24 +2,14 @@
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from agentrl.rollout.engines._batch import decode, merge, prefill, select_rows
+from tests._random_qwen2 import random_qwen2
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    return random_qwen2(vocab_size=50)
 
 
 def _alone(model, tokens):
