@@ -260,3 +260,12 @@ def test_serve_start_up_errors_are_one_line_and_status_2(tmp_path):
     result = _agentrl("serve", "--model", "tiny:no-such-preset", cwd=tmp_path, env=env)
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
     assert "unknown tiny preset 'no-such-preset'" in result.stderr
+
+
+def test_serve_threads_default_leaves_a_core_to_the_event_loops_and_refuses_zero(tmp_path):
+    from agentrl.cli.serve import _parse_args, engine_threads
+
+    assert engine_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert _parse_args(["--model", "tiny:qwen2", "--threads", "3"]).threads == 3
+    result = _agentrl("serve", "--model", "tiny:qwen2", "--threads", "0", cwd=tmp_path)
+    assert result.returncode == 2 and "--threads must be >= 1, got 0" in result.stderr
