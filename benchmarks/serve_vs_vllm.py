@@ -114,6 +114,7 @@ def main() -> None:
                 [
                     sys.executable, "-m", "agentrl.cli", "serve", "--model", args.model, "--port", str(port),
                     "--max-model-len", str(args.max_model_len), "--max-tokens", str(args.output_len),
+                    "--max-num-seqs", str(args.concurrency),
                     "--log-dir", str(out / "serve_logs"),
                 ],
                 stdout=subprocess.DEVNULL, stderr=open(out / "serve.log", "w"),

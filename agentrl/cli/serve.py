@@ -49,6 +49,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        help="sequences the embedded engine decodes at once (vLLM's flag)",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="cap on completion tokens per call")
     p.add_argument("--temperature", type=float, default=1.0, help="enforced sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -69,6 +75,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.servers < 1:
         p.error(f"--servers must be >= 1, got {args.servers}")
+    if args.max_num_seqs < 1:
+        p.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     return args
@@ -118,7 +126,12 @@ def _start_embedded(
     torch.set_num_threads(args.threads or engine_threads())
     urls = []
     for _ in range(args.servers):
-        engine = build_embedded_engine(model, dtype=args.dtype or "float32", max_model_len=args.max_model_len)
+        engine = build_embedded_engine(
+            model,
+            dtype=args.dtype or "float32",
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+        )
         cleanup.append(engine.close)
         app = build_server_app(
             engine, engine.tokenizer, model_name=name, max_model_len=args.max_model_len, admin_token=token
@@ -136,7 +149,7 @@ def _start_vllm(
 
     servers = launch_vllm_servers(
         model, args.servers, python=args.vllm_python, served_model_name=name,
-        max_model_len=args.max_model_len, dtype=args.dtype or "auto",
+        max_model_len=args.max_model_len, dtype=args.dtype or "auto", max_num_seqs=args.max_num_seqs,
         startup_timeout=args.startup_timeout, log_dir=args.log_dir,
     )  # fmt: skip
     cleanup.append(servers.stop)

@@ -267,5 +267,6 @@ def test_serve_threads_default_leaves_a_core_to_the_event_loops_and_refuses_zero
 
     assert engine_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
     assert _parse_args(["--model", "tiny:qwen2", "--threads", "3"]).threads == 3
+    assert _parse_args(["--model", "tiny:qwen2", "--max-num-seqs", "32"]).max_num_seqs == 32
     result = _agentrl("serve", "--model", "tiny:qwen2", "--threads", "0", cwd=tmp_path)
     assert result.returncode == 2 and "--threads must be >= 1, got 0" in result.stderr
