@@ -1,11 +1,13 @@
 """Generate the tool agent's data offline: tasks for RL and per-turn rows for the warm start.
 
     python -m agentrl_tool_agent.prepare_data --output data/tool_agent
-    # wrote 200 rows to data/tool_agent/train.jsonl, 80 to test.jsonl, 400 to sft.jsonl
+    # wrote 180 rows to data/tool_agent/train.jsonl, 200 to test.jsonl, 360 to sft.jsonl
 
 Two kinds of task, each needing one tool call: `calc` ("What is 7 * 3?": the calculator) and `kv`
 ("What is stored under 'plum'?": `kv_get` on the episode's store, which the row seeds through
-`extra_info.store` and the policy never sees). No held-out question appears in the training rows.
+`extra_info.store` and the policy never sees). No held-out question appears in the training rows. There are
+192 `calc` questions (operands 2-9, `+ - *`) and half the rows are calc, so train and held-out rows together
+hold at most 384 tasks; the defaults (180 train, 200 held-out) use 190 of the questions.
 
 `sft.jsonl` holds two rows per training task, one per turn of the ideal episode, in verl row format with
 the `tools` schema: the first turn's target is the tool call, the second's (after the `tool` message with
@@ -27,6 +29,8 @@ from agentrl_tool_agent.tools import TOOL_SCHEMAS, calculate
 
 INSTRUCTION = "Answer with the number only."
 KEYS = "apple pear plum kiwi lime fig grape melon".split()
+CALC_QUESTIONS = 8 * 8 * 3
+"""Distinct `calc` questions: two operands in 2-9, one of `+ - *`."""
 SAMPLES = Path(__file__).resolve().parent / "samples"
 """Where the shipped data lies (train.jsonl, test.jsonl, sft.jsonl)."""
 
@@ -53,7 +57,13 @@ def make_task(rng: random.Random, kind: str) -> tuple[str, dict[str, Any]]:
 
 
 def make_rows(num_train: int, num_test: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """Train and held-out task rows, half calc and half kv, with no question in both."""
+    """Train and held-out task rows, half calc and half kv, with no question in both (held-out rows first)."""
+    calc = (num_train + num_test + 1) // 2
+    if calc > CALC_QUESTIONS:
+        raise ValueError(
+            f"{num_train} train + {num_test} held-out tasks need {calc} distinct calc questions, but there are "
+            f"{CALC_QUESTIONS}; ask for at most {2 * CALC_QUESTIONS} tasks in all"
+        )
     rng = random.Random(seed)
     seen: set[str] = set()
     rows: list[dict[str, Any]] = []
@@ -123,14 +133,18 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m agentrl_tool_agent.prepare_data", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--output", default="data/tool_agent", help="folder for train/test/sft.jsonl")
-    parser.add_argument("--num-train", type=int, default=200)
-    parser.add_argument("--num-test", type=int, default=80)
+    parser.add_argument("--num-train", type=int, default=180)
+    parser.add_argument("--num-test", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.num_train < 1 or args.num_test < 1:
         print("error: --num-train and --num-test must be at least 1", file=sys.stderr)
         return 1
-    train, test = make_rows(args.num_train, args.num_test, args.seed)
+    try:
+        train, test = make_rows(args.num_train, args.num_test, args.seed)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     out = Path(args.output)
     for name, rows in (("train", train), ("test", test), ("sft", sft_rows(train))):
         write_jsonl(rows, out / f"{name}.jsonl")

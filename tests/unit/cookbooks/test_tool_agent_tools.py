@@ -84,7 +84,7 @@ def test_rows_are_valid_split_cleanly_and_each_needs_its_tool():
 
 
 def test_shipped_samples_load_and_match_the_generator():
-    train, test = make_rows(200, 80, seed=0)
+    train, test = make_rows(180, 200, seed=0)
     assert load_dataset_rows(SAMPLES / "train.jsonl") == json.loads(json.dumps(train))
     assert load_dataset_rows(SAMPLES / "test.jsonl") == json.loads(json.dumps(test))
 
