@@ -14,10 +14,13 @@ import logging
 import re
 from pathlib import Path
 
+import pytest
+
 from agentrl import AgentTrainer, MathAnswerMatch, SingleTurnChatFlow
 from agentrl.config import load_config
 from agentrl.runs.history import read_metrics_history
 
+pytestmark = pytest.mark.slow
 ARITHMETIC = Path(__file__).resolve().parents[3] / "configs" / "arithmetic.yaml"
 
 
