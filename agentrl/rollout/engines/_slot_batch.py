@@ -250,7 +250,13 @@ class SlotBatch:
             self.counters["prefix_hit_tokens"] += start
             plan.prefill[i] = (slot, start)
         self._copy_prefixes(plan.copies_before)
-        text = {i: prompts[i] for i in plan.prefill if images[i] is None}
+        # Only prompts with more than the minimum gain left to compute can follow or lead: an agent's next turn
+        # (its history parked) is neither, and its blocks are not hashed a second time here.
+        text = {
+            i: prompts[i]
+            for i, (_, start) in plan.prefill.items()
+            if images[i] is None and len(prompts[i]) - start > SHARED_PREFIX_MIN_GAIN
+        }
         followers = (
             shared_prefixes(text, {i: plan.prefill[i][1] for i in text}, SHARED_PREFIX_MIN_GAIN)
             if self.prefix_caching
