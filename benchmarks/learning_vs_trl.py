@@ -107,6 +107,8 @@ class HeldOutClock:
         self.name, self.args, self.rows = name, args, rows
         self.tokenizer = load_eval_tokenizer(args.model)
         self.points: list[dict] = []
+        self.log = Path(args.out) / f"{name}.points.jsonl"
+        self.log.unlink(missing_ok=True)
         self.paused = 0.0
         self.start = time.perf_counter()
 
@@ -129,6 +131,9 @@ class HeldOutClock:
         point = {"step": step, "wall_s": round(began - self.start - self.paused, 2), **accuracy}
         self.paused += spent
         self.points.append({**point, "eval_s": round(spent, 2)})
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("a") as log:  # kept as it goes: a run cut short still leaves its curve
+            log.write(json.dumps(self.points[-1]) + "\n")
         print(f"{self.name} held-out {point} (evaluated in {spent:.1f} s)", file=sys.stderr, flush=True)
         return accuracy
 
@@ -303,6 +308,20 @@ def run_eval_only(args: argparse.Namespace) -> dict:
     return {**accuracy, "problems": len(heldout), "eval_s": round(time.perf_counter() - began, 1)}
 
 
+def combine(folders: list[Path]) -> dict[str, dict]:
+    """Each trainer's points from the folders of earlier runs (the last folder that has a trainer wins)."""
+    results = {}
+    for folder in folders:
+        for name in TRAINERS:
+            log = folder / f"{name}.points.jsonl"
+            if log.exists():
+                points = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+                results[name] = {"points": points, "peak_gib": None}
+    if not results:
+        raise SystemExit(f"--combine: no <trainer>.points.jsonl in {', '.join(map(str, folders))}")
+    return results
+
+
 def table_lines(results: dict[str, dict]) -> list[str]:
     """Markdown: one row per evaluated step, wall-clock s and strict / lenient accuracy per trainer."""
     names = list(results)
@@ -393,6 +412,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--extra", nargs="*", default=[], help="more agentrl overrides (key=value)")
     parser.add_argument("--eval-only", action="store_true", help="the starting model's accuracy, no training")
     parser.add_argument("--only", choices=TRAINERS, help="internal: run one trainer, print JSON")
+    parser.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        metavar="DIR",
+        help="no training: the table and PNG of earlier runs' --out folders (e.g. one trainer per GPU call), "
+        "from each trainer's <name>.points.jsonl, written as it went; the other flags must be the runs'",
+    )
     args = parser.parse_args(argv)
     rows = args.prompts * args.n
     args.micro_batch = min(args.micro_batch, rows)
@@ -420,8 +447,8 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_agentrl(args) if args.only == "agentrl" else run_trl(args)
         print("RESULT " + json.dumps(result), flush=True)
         return result
-    results = {}
-    for name in args.trainers:
+    results = combine(args.combine) if args.combine else {}
+    for name in [] if args.combine else args.trainers:
         results[name], _ = run_trainer_process(__file__, argv, name, show_log=True)
     settings = (
         f"{args.model} {args.dtype} on {args.device}: {args.steps} steps of {args.prompts} problems x {args.n} "
@@ -433,12 +460,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda":
         print("peak GPU memory GiB: " + ", ".join(f"{n} {r['peak_gib']}" for n, r in results.items()))
     if set(results) == set(TRAINERS):
-        target = results["trl"]["points"][-1]["strict"]
+        # TRL's accuracy at the last step both reached (a run cut short by a time limit ends earlier)
+        last = min(results[name]["points"][-1]["step"] for name in TRAINERS)
+        target = [p["strict"] for p in results["trl"]["points"] if p["step"] <= last][-1]
         reached = {name: time_to_reach(results[name]["points"], target) for name in TRAINERS}
-        print(f"wall-clock s to reach TRL's final strict accuracy {target:.3f}: {reached}")
+        print(f"wall-clock s to reach TRL's strict accuracy at step {last}, {target:.3f}: {reached}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"settings": vars(args), "results": results}, indent=1))
+    (out / "results.json").write_text(json.dumps({"settings": vars(args), "results": results}, indent=1, default=str))
     png = plot(results, out / "learning_vs_trl.png", settings)
     print(f"wrote {out / 'results.json'} and {png}")
     return results

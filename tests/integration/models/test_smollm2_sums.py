@@ -71,6 +71,30 @@ def test_heldout_evaluation_reads_the_real_model(smollm2_cache_env):
     assert model.training  # its mode is given back
 
 
+def test_runs_made_apart_are_combined_and_compared_at_the_last_step_both_reached(tmp_path, capsys):
+    def write(folder, name, points):
+        folder.mkdir()
+        (folder / f"{name}.points.jsonl").write_text("".join(json.dumps(p) + "\n" for p in points))
+
+    write(tmp_path / "a", "agentrl", [_point(0, 9.0, 0.1), _point(10, 40.0, 0.5), _point(20, 70.0, 0.6)])
+    write(tmp_path / "t", "trl", [_point(0, 1.0, 0.1), _point(10, 200.0, 0.45)])  # cut after step 10
+    out = tmp_path / "both"
+    results = learning_vs_trl.main(
+        ["--combine", str(tmp_path / "a"), str(tmp_path / "t"), "--device", "cpu", "--out", str(out)]
+    )
+    assert [p["step"] for p in results["trl"]["points"]] == [0, 10]
+    printed = capsys.readouterr().out
+    assert "| 20 | 70.0 | 0.600 | 0.600 |  |  |  |" in printed
+    assert "TRL's strict accuracy at step 10, 0.450: {'agentrl': 40.0, 'trl': 200.0}" in printed
+    assert (out / "learning_vs_trl.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="no <trainer>.points.jsonl"):
+        learning_vs_trl.main(["--combine", str(tmp_path / "both" / "nothing"), "--out", str(out)])
+
+
+def _point(step: int, wall_s: float, strict: float) -> dict:
+    return {"step": step, "wall_s": wall_s, "strict": strict, "lenient": strict}
+
+
 @pytest.mark.slow
 def test_a_tiny_agentrl_run_reports_accuracy_per_step(smollm2_cache_env, tmp_path, capsys):
     out = tmp_path / "out"
@@ -98,3 +122,5 @@ def test_a_tiny_agentrl_run_reports_accuracy_per_step(smollm2_cache_env, tmp_pat
     printed = capsys.readouterr().out
     assert "| step | agentrl wall s | agentrl strict | agentrl lenient |" in printed
     assert "\n| 0 | " in printed and "\n| 1 | " in printed
+    logged = [json.loads(line) for line in (out / "agentrl.points.jsonl").read_text().splitlines()]
+    assert logged == points  # written as it went: a run cut by a time limit keeps its curve
