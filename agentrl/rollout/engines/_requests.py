@@ -90,7 +90,9 @@ class Detokenizer:
     def __init__(self, tokenizer, eos_token_ids: set[int]) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.hidden_ids = find_hidden_token_ids(tokenizer)
+        # The model's EOS ids too: a converted tokenizer may not mark its chat EOS special (SmolLM2 under some
+        # transformers versions), and its text in an answer fails a strict grader.
+        self.hidden_ids = find_hidden_token_ids(tokenizer) | set(eos_token_ids)
 
     def decode(self, token_ids: list[int]) -> str:
         return decode_completion(self.tokenizer, token_ids, self.hidden_ids)
@@ -127,7 +129,10 @@ class Detokenizer:
             seq.finish_reason = "length"
 
     def build_output(self, seq: Sequence) -> GenerationOutput:
-        text = self.decode(seq.token_ids)
+        shown = seq.token_ids
+        if seq.finish_reason == "stop" and shown and shown[-1] in seq.request.params.stop_token_ids:
+            shown = shown[:-1]  # the stop token that ended it stays out of the text, as in vLLM
+        text = self.decode(shown)
         if seq.stop_text_end is not None:
             text = text[: seq.stop_text_end]
         return GenerationOutput(

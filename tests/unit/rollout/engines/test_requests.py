@@ -47,6 +47,27 @@ def test_eos_ends_the_sequence_and_ignore_eos_keeps_going(tokenizer):
     assert (seq.token_ids, seq.finish_reason) == ([277, EOS, 86], "stop")
 
 
+def test_eos_and_stop_tokens_stay_out_of_the_text_even_when_the_tokenizer_does_not_mark_them_special(tokenizer):
+    """A converted tokenizer may leave its chat EOS unmarked (SmolLM2's `<|im_end|>` under transformers 5.17): the
+    engine stopped on it and its text reached the grader, so no answer was ever strictly right."""
+    ordinary_eos, stop = 788, 86
+    assert ordinary_eos not in tokenizer.all_special_ids and stop not in tokenizer.all_special_ids
+    loop = asyncio.new_event_loop()
+    detok = Detokenizer(tokenizer, {ordinary_eos})
+    for params, tokens in (
+        (SamplingParams(max_tokens=8), [277, ordinary_eos]),
+        (SamplingParams(max_tokens=8, stop_token_ids=[stop]), [277, stop]),
+    ):
+        seq = Sequence(request=Request([1], params, 0, 8, loop, asyncio.Queue()), index=0, seed=0)
+        for token in tokens:
+            seq.token_ids.append(token)
+            detok.check_finished(seq, max_model_len_reached=False)
+        out = detok.build_output(seq)
+        assert (out.finish_reason, out.token_ids) == ("stop", tokens)  # kept for training
+        assert out.text == tokenizer.decode([277])
+    loop.close()
+
+
 def test_min_tokens_defers_eos_and_stop_tokens(tokenizer):
     seq, _ = _run(tokenizer, [277, EOS, 86, EOS, 788], min_tokens=3)
     assert (seq.token_ids, seq.finish_reason) == ([277, EOS, 86, EOS], "stop")  # 2nd EOS is token 4
