@@ -252,10 +252,11 @@ def run_trl(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
             output_dir=out,
-            per_device_train_batch_size=args.prompts * args.n,
+            # one generation of prompts x n answers, trained as one optimizer step in micro-batches of --micro-batch
+            per_device_train_batch_size=args.micro_batch,
             num_generations=args.n,
-            gradient_accumulation_steps=1,
-            steps_per_generation=1,
+            gradient_accumulation_steps=args.prompts * args.n // args.micro_batch,
+            steps_per_generation=args.prompts * args.n // args.micro_batch,
             num_iterations=1,
             max_completion_length=args.max_tokens,
             temperature=args.temperature,
@@ -399,7 +400,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--micro-batch",
         type=int,
         default=64,
-        help="agentrl rows per forward/backward, at most a step's (TRL: all at once)",
+        help="rows per forward/backward, at most a step's (both trainers: TRL accumulates its gradient over them)",
     )
     parser.add_argument(
         "--gradient-checkpointing", choices=["on", "off"], default="off", help="both trainers"
@@ -467,7 +468,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"wall-clock s to reach TRL's strict accuracy at step {last}, {target:.3f}: {reached}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"settings": vars(args), "results": results}, indent=1, default=str))
+    (out / "results.json").write_text(
+        json.dumps({"settings": vars(args), "results": results}, indent=1, default=str)
+    )
     png = plot(results, out / "learning_vs_trl.png", settings)
     print(f"wrote {out / 'results.json'} and {png}")
     return results

@@ -48,7 +48,9 @@ def _strict_share(texts: list[str], rows: list[dict]) -> float:
 
 
 @pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled-graphs"])
-def test_engine_samples_are_as_right_as_transformers_and_logprobs_are_exact(model_and_prompts, compile_decode):
+def test_engine_samples_are_as_right_as_transformers_and_logprobs_are_exact(
+    model_and_prompts, compile_decode
+):
     model, tokenizer, rows, prompts = model_and_prompts
     engine = EmbeddedEngine(
         model, tokenizer, max_num_seqs=256, max_model_len=512, cuda_graphs=True, compile_decode=compile_decode
@@ -67,6 +69,8 @@ def test_engine_samples_are_as_right_as_transformers_and_logprobs_are_exact(mode
     engine_share = _strict_share(texts, per_answer_rows)
 
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # the GPU image's transformers converts it without one
+        tokenizer.pad_token = tokenizer.eos_token
     batch = tokenizer.pad({"input_ids": [p for p in prompts for _ in range(ANSWERS)]}, return_tensors="pt")
     torch.manual_seed(5)
     with torch.no_grad():
@@ -77,7 +81,7 @@ def test_engine_samples_are_as_right_as_transformers_and_logprobs_are_exact(mode
             top_k=0,
             top_p=1.0,
             max_new_tokens=MAX_TOKENS,
-            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
         )
     hf_texts = tokenizer.batch_decode(sampled[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     hf_share = _strict_share(hf_texts, per_answer_rows)

@@ -47,7 +47,9 @@ def test_eos_ends_the_sequence_and_ignore_eos_keeps_going(tokenizer):
     assert (seq.token_ids, seq.finish_reason) == ([277, EOS, 86], "stop")
 
 
-def test_eos_and_stop_tokens_stay_out_of_the_text_even_when_the_tokenizer_does_not_mark_them_special(tokenizer):
+def test_eos_and_stop_tokens_stay_out_of_the_text_even_when_the_tokenizer_does_not_mark_them_special(
+    tokenizer,
+):
     """A converted tokenizer may leave its chat EOS unmarked (SmolLM2's `<|im_end|>` under transformers 5.17): the
     engine stopped on it and its text reached the grader, so no answer was ever strictly right."""
     ordinary_eos, stop = 788, 86
