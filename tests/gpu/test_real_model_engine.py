@@ -18,6 +18,7 @@ from agentrl.models import SMOLLM2_NAME, load_causal_lm, load_tokenizer
 from agentrl.models import smollm2 as smollm2_lib
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.types import SamplingParams
+from tests.gpu._teacher_forcing import worst_logprob_gap
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "cookbooks" / "math"))
 from agentrl_math.arithmetic import grade, make_sum_rows  # noqa: E402
@@ -87,14 +88,7 @@ def test_engine_samples_are_as_right_as_transformers_and_logprobs_are_exact(
     hf_share = _strict_share(hf_texts, per_answer_rows)
     print(f"strict share: engine {engine_share:.3f}, transformers {hf_share:.3f}; engine: {texts[:3]!r}")
 
-    worst = 0.0
-    for prompt, group in zip(prompts[:4], outs[:4], strict=True):
-        for out in group:
-            ids = torch.tensor([prompt + out.token_ids], device="cuda")
-            with torch.no_grad():
-                logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-            reference = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None])[:, 0]
-            worst = max(worst, (reference.cpu() - torch.tensor(out.logprobs)).abs().max().item())
+    worst = worst_logprob_gap(model, prompts[:4], outs[:4])
     assert worst < 1e-3, worst
     # 256 answers each: a share of ~0.15 has a standard error of ~0.02
     assert engine_share > 0.5 * hf_share and hf_share > 0.05, (engine_share, hf_share)
