@@ -40,6 +40,7 @@ from agentrl.runs.rollout_writer import ROLLOUTS_DIR, RolloutLog, config_hash
 from agentrl.runs.truncate import truncate_run_history
 from agentrl.tracking import build_tracker, progress_bar, set_progress_postfix
 from agentrl.training.metrics import (
+    collapse_warning,
     compute_batch_metrics,
     compute_episode_metrics,
     compute_routing_metrics,
@@ -230,6 +231,7 @@ class Controller:
             log.info("warm start: %s", sft_metrics)
         urls = [url for worker_urls in self.policy.call("start_rollout") for url in worker_urls]
         self.stack = build_rollout_stack(urls, cfg, self.policy.call_first("tokenizer_pad_id"))
+        self.vocab_size = self.policy.call_first("vocab_size")
         arr = cfg.actor_rollout_ref
         self.collector = RolloutCollector(
             self.stack.backend,
@@ -309,6 +311,8 @@ class Controller:
                 if batch is not None:
                     metrics.update(self.update(batch, timing))
                     write_step_advantages(kept, batch)
+                    if warning := collapse_warning(metrics, self.vocab_size, step):
+                        log.warning(warning)
                 with _timer(timing, "save_rollouts"):
                     self.rollout_log.write(step, episodes)
             self.global_step = step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -115,3 +116,28 @@ def compute_routing_metrics(before: Sequence[int], after: Sequence[int], healthy
         "rollout/server_requests_min": float(min(calls, default=0)),
         "rollout/server_requests_max": float(max(calls, default=0)),
     }
+
+
+COLLAPSED_ENTROPY_SHARE = 0.9
+"""A policy whose mean token entropy reaches this share of a uniform policy's (ln of the vocabulary) has collapsed."""
+
+
+def collapse_warning(metrics: dict[str, float], vocab_size: int, step: int) -> str | None:
+    """The warning for a policy that samples almost uniformly, or None.
+
+    Such a policy earns no reward, its groups are uniform and its updates are zero: the run goes on, silently, on
+    noise (seen with `async_training.staleness_threshold=1` on the tool-agent cookbook, seed 3, entropy 0.3 -> 7.5
+    of ln(2,048) = 7.62 by step 10). A model with random weights starts there too.
+    """
+    entropy = metrics.get("actor/entropy")
+    if entropy is None or vocab_size < 2:
+        return None
+    uniform = math.log(vocab_size)
+    if entropy < COLLAPSED_ENTROPY_SHARE * uniform:
+        return None
+    return (
+        f"step {step}: actor/entropy {entropy:.2f} is {entropy / uniform:.0%} of a uniform policy's "
+        f"ln({vocab_size}) = {uniform:.2f}: the policy samples almost at random, so rewards and updates carry "
+        "no signal. From a trained model this is a collapse: lower actor_rollout_ref.actor.optim.lr, and with "
+        "async_training.staleness_threshold > 0 try the synchronous loop (docs/troubleshooting.md)"
+    )

@@ -133,6 +133,11 @@ class PolicyWorker:
         """The process holding this worker (to find a rank's process from the controller)."""
         return os.getpid()
 
+    def vocab_size(self) -> int:
+        """Rows of the output layer: the number of tokens a uniform policy spreads over."""
+        head = getattr(self.actor, "get_output_embeddings", lambda: None)()
+        return int(head.weight.shape[0]) if head is not None else len(self.tokenizer)
+
     def tokenizer_pad_id(self) -> int:
         return int(
             self.tokenizer.pad_token_id

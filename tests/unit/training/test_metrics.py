@@ -1,6 +1,13 @@
 """Metrics the controller logs, computed from hand-built episodes."""
 
-from agentrl.training.metrics import compute_episode_metrics, compute_validation_metrics
+import math
+
+from agentrl.training.metrics import (
+    COLLAPSED_ENTROPY_SHARE,
+    collapse_warning,
+    compute_episode_metrics,
+    compute_validation_metrics,
+)
 from agentrl.types import Episode, TerminationReason
 
 
@@ -45,3 +52,14 @@ def test_validation_metrics_per_data_source():
     metrics = compute_validation_metrics(episodes)
     assert metrics["val/test_score/toy"] == 1.0 and metrics["val/test_score/other"] == 0.0
     assert metrics["val/accuracy"] == 0.5 and metrics["val/has_answer"] == 0.5
+
+
+def test_collapse_warning_names_an_entropy_near_a_uniform_policy_only():
+    uniform = math.log(2048)
+    at = COLLAPSED_ENTROPY_SHARE * uniform
+    warning = collapse_warning({"actor/entropy": at}, 2048, 7)
+    assert warning.startswith("step 7: actor/entropy 6.86 is 90% of a uniform policy's ln(2048) = 7.62")
+    assert "actor_rollout_ref.actor.optim.lr" in warning
+    assert collapse_warning({"actor/entropy": at - 0.01}, 2048, 7) is None  # peaked enough
+    assert collapse_warning({"actor/entropy": 1.2}, 151936, 3) is None  # a trained 0.5B policy
+    assert collapse_warning({}, 2048, 1) is None  # no update this step
