@@ -33,12 +33,16 @@ from agentrl import SingleTurnChatFlow
 
 
 class PausingFlow(SingleTurnChatFlow):
+    started = 0
+
     async def run(self, task, ctx):
-        pause = os.environ.get("PAUSE_WHEN")
-        if pause and Path(pause).exists():
+        PausingFlow.started += 1
+        pause, after = os.environ.get("PAUSE_WHEN"), os.environ.get("PAUSE_AFTER_EPISODES")
+        if (pause and Path(pause).exists()) or (after and PausingFlow.started > int(after)):
             await asyncio.sleep(600)
         return await super().run(task, ctx)
 """
+EPISODES_PER_STEP = 8 * 4  # data.train_batch_size x actor_rollout_ref.rollout.n of `_command`
 # Not compared: wall-clock numbers; the engine's own log-probs, which it computes over whichever concurrent
 # requests it batched together, so they differ in the last float bits between any two runs (step 1 of two
 # uninterrupted runs already differs; training uses the actor's recomputed log-probs, compared through the
@@ -174,8 +178,9 @@ def test_sigkill_after_a_logged_step_leaves_every_step_once(tmp_path, mode):
     command = _with(
         _command(run_dir), "trainer.logger=[console,mlflow]", "trainer.rollout_trace_freq=1", *mode
     )
-    # The flow waits once step 3's rollout file exists: step 4's rollouts wait, after step 3 is logged.
-    env = {**os.environ, "PAUSE_WHEN": str(run_dir / "rollouts" / "step_000003.jsonl")}
+    # Every episode after those of steps 1-3 waits: step 4's rollouts never finish, also when asynchronous
+    # collection started them before step 3's files were written (a wait keyed to those files raced it).
+    env = {**os.environ, "PAUSE_AFTER_EPISODES": str(3 * EPISODES_PER_STEP)}
     env.pop("MLFLOW_TRACKING_URI", None)
     first = subprocess.Popen(
         command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -192,7 +197,7 @@ def test_sigkill_after_a_logged_step_leaves_every_step_once(tmp_path, mode):
     assert logged == [1, 2, 3]
     assert not (run_dir / "checkpoints" / "global_step_4").exists()
 
-    env.pop("PAUSE_WHEN")
+    env.pop("PAUSE_AFTER_EPISODES")
     resumed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "resumed from" in resumed.stderr and "global_step_2" in resumed.stderr
