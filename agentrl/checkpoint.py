@@ -62,6 +62,26 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be used for what was asked; the message names the config key."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (most often a full disk, which torch reports only as a zip-writer
+    position mismatch); the message says how much was written and how much space is left."""
+
+
+def _write_failure_message(final: Path, tmp: Path, err: Exception) -> str:
+    written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
+    free = shutil.disk_usage(tmp.parent).free
+    return (
+        f"could not write checkpoint {final}: {type(err).__name__}: {err} "
+        f"({_gib(written)} written before it failed, {_gib(free)} free on that disk). If the disk is full, "
+        "free space, keep fewer checkpoints (trainer.max_actor_ckpt_to_keep) or point trainer.default_local_dir "
+        "at a larger disk; the previous checkpoints are unchanged."
+    )
+
+
+def _gib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:.2f} GiB"
+
+
 def checkpoints_dir(default_local_dir: str | Path) -> Path:
     """`{trainer.default_local_dir}/checkpoints`, the `root` every function here takes."""
     return Path(default_local_dir) / "checkpoints"
@@ -109,6 +129,10 @@ def save_checkpoint(
         _write_durably(tmp / COMPLETE_MARKER, f"{step}\n")
         _fsync_dir(tmp)
         _move_into_place(tmp, final)
+    except Exception as err:
+        message = _write_failure_message(final, tmp, err)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(message) from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -5,6 +5,8 @@ import os
 import pickle
 import random
 import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -79,6 +81,29 @@ def test_write_that_raises_leaves_no_folder_and_previous_stays_latest(root):
     assert sorted(p.name for p in root.iterdir()) == ["global_step_2", LATEST_FILE]
     assert find_latest_checkpoint(root) == root / "global_step_2"
     assert (root / LATEST_FILE).read_text().strip() == "2"
+
+
+def test_a_write_the_disk_refuses_is_explained_and_leaves_nothing(root):
+    """A real failing write: a child process whose file-size limit (RLIMIT_FSIZE) stops `torch.save` mid-file,
+    as a full disk does, where torch only says `unexpected pos`."""
+    _save(root, 2)
+    script = textwrap.dedent(
+        f"""
+        import resource, signal, torch
+        from agentrl.checkpoint import save_checkpoint
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails (EFBIG) instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        write = lambda folder: torch.save({{"w": torch.zeros(1 << 20)}}, folder / "model.pt")  # 4 MiB
+        save_checkpoint({str(root)!r}, 4, write, {{}}, max_to_keep=None)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    last_line = done.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("agentrl.checkpoint.CheckpointWriteError: could not write checkpoint ")
+    assert "global_step_4" in last_line and "GiB written before it failed" in last_line
+    assert "free on that disk" in last_line and "trainer.default_local_dir" in last_line
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_2", LATEST_FILE]
 
 
 def test_unserializable_trainer_state_leaves_nothing(root):
