@@ -29,9 +29,19 @@ from agentrl.rollout._openai_protocol import (
 from agentrl.rollout.chat import parse_tool_calls
 
 
+Event = dict[str, Any] | str
+"""One streamed event: an OpenAI chunk (or error, usage, final body) as a dict, or the closing `"[DONE]"`."""
+
+
 def dumps_sse(payload: dict[str, Any] | str) -> str:
     """One server-sent event (`data: ...` and a blank line)."""
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def sse_body(events: AsyncIterator[Event]) -> AsyncIterator[str]:
+    """The SSE text of a stream's events (`stream_chat`, `stream_completions`), for the HTTP route."""
+    async for event in events:
+        yield dumps_sse(event)
 
 
 async def read_sse(lines: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -111,8 +121,8 @@ async def stream_chat(
     parse_tools: bool,
     version: int,
     final_body: FinalBody | None = None,
-) -> AsyncIterator[str]:
-    """SSE body of a streamed chat completion (role chunk, content/tool-call deltas, usage, final body, [DONE])."""
+) -> AsyncIterator[Event]:
+    """Events of a streamed chat completion (role chunk, content/tool-call deltas, usage, final body, [DONE])."""
     head = {
         "id": new_id("chatcmpl"),
         "object": "chat.completion.chunk",
@@ -136,7 +146,7 @@ async def stream_chat(
     }
     if req.return_token_ids:
         first["prompt_token_ids"] = prompt_ids
-    yield dumps_sse(first)
+    yield first
     completion_tokens, outputs, failed = 0, [None] * req.n, False
     try:
         async for _, event in _merge([events]):
@@ -176,15 +186,15 @@ async def stream_chat(
             if req.return_token_ids:
                 choice["token_ids"] = event.token_ids
             if delta or finish or req.return_token_ids or req.logprobs:
-                yield dumps_sse({**head, "choices": [choice]})
+                yield {**head, "choices": [choice]}
     except Exception as error:  # the stream has started: report in-band, as OpenAI does
         failed = True
-        yield dumps_sse(build_error(f"generation failed: {error}", None, 500))
+        yield build_error(f"generation failed: {error}", None, 500)
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield dumps_sse({**head, "choices": [], "usage": build_usage(len(prompt_ids), completion_tokens)})
+        yield {**head, "choices": [], "usage": build_usage(len(prompt_ids), completion_tokens)}
     if final_body is not None and not failed:
-        yield dumps_sse({FINAL_BODY_FIELD: final_body(outputs, head["id"], head["created"])})
-    yield dumps_sse("[DONE]")
+        yield {FINAL_BODY_FIELD: final_body(outputs, head["id"], head["created"])}
+    yield "[DONE]"
 
 
 async def stream_completions(
@@ -194,8 +204,8 @@ async def stream_completions(
     streams: list[AsyncIterator[Any]],
     version: int,
     final_body: FinalBody | None = None,
-) -> AsyncIterator[str]:
-    """SSE body of a streamed /v1/completions call; choice index = prompt number * n + completion."""
+) -> AsyncIterator[Event]:
+    """Events of a streamed /v1/completions call; choice index = prompt number * n + completion."""
     head = {
         "id": new_id("cmpl"),
         "object": "text_completion",
@@ -231,13 +241,13 @@ async def stream_completions(
                     choice["prompt_token_ids"] = prompts[number]
                     sent_prompt.add(index)
                 choice["token_ids"] = event.token_ids
-            yield dumps_sse({**head, "choices": [choice]})
+            yield {**head, "choices": [choice]}
     except Exception as error:
         failed = True
-        yield dumps_sse(build_error(f"generation failed: {error}", None, 500))
+        yield build_error(f"generation failed: {error}", None, 500)
     if req.stream_options is not None and req.stream_options.include_usage:
         usage = build_usage(sum(len(p) for p in prompts), completion_tokens)
-        yield dumps_sse({**head, "choices": [], "usage": usage})
+        yield {**head, "choices": [], "usage": usage}
     if final_body is not None and not failed:
-        yield dumps_sse({FINAL_BODY_FIELD: final_body(outputs, head["id"], head["created"])})
-    yield dumps_sse("[DONE]")
+        yield {FINAL_BODY_FIELD: final_body(outputs, head["id"], head["created"])}
+    yield "[DONE]"

@@ -21,6 +21,7 @@ for it at most `sleep_wait_s` seconds, then get a 503 naming the sleep.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -48,7 +49,7 @@ from agentrl.rollout._openai_protocol import (
     now,
     top_logprobs_error,
 )
-from agentrl.rollout._sse import stream_chat, stream_completions
+from agentrl.rollout._sse import Event, sse_body, stream_chat, stream_completions
 from agentrl.rollout.admin_auth import AdminAuthError, resolve_admin_token
 from agentrl.rollout.chat import ChatRenderCache, parse_tool_calls
 from agentrl.rollout.continuation import CONTINUED_FIELD, continue_prompt
@@ -199,7 +200,8 @@ def _render_chat_request(server: _Server, req: ChatCompletionRequest) -> _Render
     return _RenderedChat(prompt_ids, bool(tools) and req.tool_choice != "none", images, continued)
 
 
-async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
+async def _chat(server: _Server, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[Event]:
+    """The answer as a dict, or with `stream: true` its events (`_sse.py`) as they are generated."""
     server.check_request(req)
     if error := top_logprobs_error(req.logprobs, req.top_logprobs):
         raise RequestError(f"top_logprobs: {error}", "top_logprobs")
@@ -214,8 +216,7 @@ async def _chat(server: _Server, req: ChatCompletionRequest) -> Any:
     if req.stream:
         events = _start(server.engine.stream, prompt_ids, params, top, images, **extra)
         final = partial(_chat_body, server, req, rendered, version) if req.agentrl_final_body else None
-        body = stream_chat(server, req, prompt_ids, events, rendered.parse_tools, version, final)
-        return StreamingResponse(body, media_type="text/event-stream")
+        return stream_chat(server, req, prompt_ids, events, rendered.parse_tools, version, final)
     outputs = await _run(server.engine.generate, prompt_ids, params, top, images, **extra)
     return _chat_body(server, req, rendered, version, outputs, new_id("chatcmpl"), now())
 
@@ -289,7 +290,10 @@ def _completion_prompts(
     return ids
 
 
-async def _completions(server: _Server, req: CompletionRequest) -> Any:
+async def _completions(
+    server: _Server, req: CompletionRequest
+) -> dict[str, Any] | AsyncIterator[Event]:
+    """As `_chat`: a dict, or the stream's events."""
     server.check_request(req, default_max_tokens=COMPLETIONS_MAX_TOKENS)
     if req.echo:
         raise RequestError("echo: not supported by the embedded engine", "echo")
@@ -304,9 +308,7 @@ async def _completions(server: _Server, req: CompletionRequest) -> Any:
     if req.stream:
         streams = [_start(server.engine.stream, p, sp, top) for p, sp in zip(prompts, params, strict=True)]
         final = partial(_completion_body, server, req, prompts, version) if req.agentrl_final_body else None
-        return StreamingResponse(
-            stream_completions(server, req, prompts, streams, version, final), media_type="text/event-stream"
-        )
+        return stream_completions(server, req, prompts, streams, version, final)
     results = await asyncio.gather(
         *[_run(server.engine.generate, p, sp, top) for p, sp in zip(prompts, params, strict=True)]
     )
@@ -386,9 +388,10 @@ async def _run(
 class DirectCalls:
     """The server's generation routes as Python calls, for a `RolloutPool` in the same process (`app.state.direct`).
 
-    The answer is what the HTTP route would send, as a dict, without the ASGI hop and the JSON encoding and
-    parsing of every token's logprob entry on the way back (docs/benchmarks.md measures the hop). Streaming
-    requests and other paths are not served here (`call` returns None: the caller goes through HTTP).
+    The answer is what the HTTP route would send, as a dict (or, streamed, its events as dicts), without the
+    ASGI hop and the JSON encoding and parsing of every token's logprob entry on the way back
+    (docs/benchmarks.md measures the hop: through `agentrl serve`'s gateway it cost a third of the request
+    throughput of streamed calls).
     """
 
     _ROUTES = {
@@ -401,9 +404,25 @@ class DirectCalls:
 
     async def call(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
         """(status, body) of POST `path`; errors answer as over HTTP (400 naming the field, 409, ...); an
-        exception of the engine propagates (over HTTP it is a 500: the pool fails over either way)."""
+        exception of the engine propagates (over HTTP it is a 500: the pool fails over either way). None for
+        another path or a streamed request (`stream`)."""
+        if body.get("stream"):
+            return None
+        return await self._answer(path, body)
+
+    async def stream(
+        self, path: str, body: dict[str, Any]
+    ) -> tuple[int, dict[str, Any]] | AsyncIterator[Event] | None:
+        """POST `path` with `stream: true`: its events as the HTTP route would send them (close the iterator
+        to stop generating, as a client that hangs up does), or (status, error body) for a refused request."""
+        answer = await self._answer(path, {**body, "stream": True})
+        if answer is not None and answer[0] == 200 and not isinstance(answer[1], dict):
+            return answer[1]
+        return answer
+
+    async def _answer(self, path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
         route = self._ROUTES.get(path)
-        if route is None or body.get("stream"):
+        if route is None:
             return None
         model, handler = route
         try:
@@ -413,6 +432,13 @@ class DirectCalls:
             return 400, build_error(message, param)
         except RequestError as error:
             return error.status, build_error(error.message, error.param, error.status, error.code)
+
+
+def _http_answer(answer: dict[str, Any] | AsyncIterator[Event]) -> Any:
+    """A route's answer: the dict as JSON, a stream's events as server-sent events."""
+    if isinstance(answer, dict):
+        return answer
+    return StreamingResponse(sse_body(answer), media_type="text/event-stream")
 
 
 def build_server_app(
@@ -458,11 +484,11 @@ def build_server_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Any:
-        return await _chat(server, req)
+        return _http_answer(await _chat(server, req))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest) -> Any:
-        return await _completions(server, req)
+        return _http_answer(await _completions(server, req))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

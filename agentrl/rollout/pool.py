@@ -23,9 +23,10 @@ Admin calls carry the servers' bearer token (`admin_auth.py`: by default this pr
 serves require too). A server whose app
 runs in this process (`uvicorn_thread.find_local_app`) is called in-process through
 `httpx.ASGITransport`: same routes and answers, no TCP hop and no second event loop. Its generation
-routes are called as Python (`server.DirectCalls`): the same answer as a dict, without the ASGI hop and
-the JSON of every token's logprob entry. Streamed requests (`forward_stream`) always go over HTTP, since
-`httpx.ASGITransport` delivers a response only once it is complete; they fail over until the first event.
+routes are called as Python (`app.DirectCalls`): the same answer as a dict, without the ASGI hop and
+the JSON of every token's logprob entry; streamed ones too (`forward_stream`), their events as dicts as they
+are generated (`httpx.ASGITransport` would hold a stream back until it is complete). Streams fail over until
+their first event.
 """
 
 from __future__ import annotations
@@ -236,8 +237,7 @@ class RolloutPool:
         event arrives, then a `PoolStream` of its events (no failover after that byte). A JSON answer (a 4xx,
         the 503 of no healthy server) comes back as a `PoolResponse`, exactly as `forward` returns it.
 
-        Always over HTTP, also to a server of this process: `httpx.ASGITransport` holds a response back until
-        it is complete, which would turn the stream into one late burst.
+        A server of this process streams as Python (`DirectCalls.stream`), others over HTTP.
         """
         return await self._route(session_id, lambda state: self._open_stream(state, path, json_body))
 
@@ -313,6 +313,9 @@ class RolloutPool:
     async def _open_stream(
         self, state: ServerState, path: str, body: dict[str, Any]
     ) -> tuple[int, Any] | PoolStream:
+        direct = self._direct_server(state.url)
+        if direct is not None:
+            return await self._open_direct_stream(direct, state, path, body)
         client = self._client(network=True)
         request = client.build_request(
             "POST",
@@ -326,28 +329,52 @@ class RolloutPool:
             if not response.headers.get("content-type", "").startswith("text/event-stream"):
                 await response.aread()
                 return response.status_code, response.json()
-            stream = PoolStream(self, state, response)
+            stream = PoolStream.over_http(self, state, response)
             await stream.peek()  # a server that drops before its first event fails over like any other
         except BaseException:
             await response.aclose()
             raise
         return stream
 
+    async def _open_direct_stream(
+        self, direct: Any, state: ServerState, path: str, body: dict[str, Any]
+    ) -> tuple[int, Any] | PoolStream:
+        """A stream of an embedded server of this process, its events as Python dicts (`DirectCalls.stream`)."""
+        try:
+            answer = await direct.stream(path, body)
+        except Exception as error:  # noqa: BLE001 - over HTTP it is a 500 as well
+            return self._direct_failure(state.url, path, error)
+        if answer is None or isinstance(answer, tuple):
+            return answer or (404, build_error(f"{path}: not a route of the in-process server", None, 404))
+        stream = PoolStream(self, state, answer, answer.aclose)
+        try:
+            await stream.peek()
+        except BaseException:
+            await answer.aclose()
+            raise
+        return stream
+
+    def _direct_server(self, url: str) -> Any:
+        """The `DirectCalls` of an embedded server this process serves at `url`, or None (call it over HTTP)."""
+        app = find_local_app(url) if self._in_process and self._direct and self._transport is None else None
+        return getattr(getattr(app, "state", None), "direct", None)
+
     async def _call_direct(self, url: str, path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
         """The answer of an embedded server this process serves, called as Python (`server.DirectCalls`: no
         ASGI hop, no JSON); None when `url` is not one (or the request streams). An exception becomes the 500
         it would be over HTTP, so failover treats both paths alike."""
-        app = find_local_app(url) if self._in_process and self._direct and self._transport is None else None
-        direct = getattr(getattr(app, "state", None), "direct", None)
+        direct = self._direct_server(url)
         if direct is None:
             return None
         try:
             return await direct.call(path, body)
         except Exception as error:  # noqa: BLE001 - the HTTP path turns it into a 500 as well
-            log.exception("in-process server %s failed on %s", url, path)
-            return 500, {
-                "error": {"message": f"{type(error).__name__}: {error}", "type": "InternalServerError"}
-            }
+            return self._direct_failure(url, path, error)
+
+    @staticmethod
+    def _direct_failure(url: str, path: str, error: Exception) -> tuple[int, dict[str, Any]]:
+        log.exception("in-process server %s failed on %s", url, path)
+        return 500, {"error": {"message": f"{type(error).__name__}: {error}", "type": "InternalServerError"}}
 
     def _client(self, network: bool = False) -> httpx.AsyncClient:
         """One client per event loop: the gateway's loop forwards while the trainer's loop may

@@ -1,5 +1,8 @@
 """An open streamed answer of one server, as the `RolloutPool` hands it to the gateway (`forward_stream`).
 
+Its events come over HTTP (server-sent events, parsed), or, from an embedded server of this process, as the
+server's own event dicts (`app.DirectCalls.stream`: no HTTP, no JSON).
+
 The pool routes and fails over until a server's first event; from then on the answer is this stream's, and
 a failure can no longer move to another server: it is reported in the stream instead, and the server is
 taken out of routing as a failed `forward` would take it.
@@ -8,7 +11,7 @@ taken out of routing as a failed `forward` would take it.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -27,13 +30,21 @@ class PoolStream:
     `in_flight` until then.
     """
 
-    def __init__(self, pool: Any, state: Any, response: httpx.Response) -> None:
-        """`pool`: the `RolloutPool` that marks `state` (its `ServerState`) when the stream fails."""
+    def __init__(
+        self, pool: Any, state: Any, events: AsyncIterator[Any], close: Callable[[], Awaitable[Any]]
+    ) -> None:
+        """`pool`: the `RolloutPool` that marks `state` (its `ServerState`) when the stream fails. `events`: the
+        server's events (dicts, then `"[DONE]"`); `close` stops them (closes the connection or the generator)."""
         self.server, self.policy_version = state.url, state.policy_version
-        self._pool, self._state, self._response = pool, state, response
-        self._payloads = read_sse(response.aiter_lines())
-        self._first: str | None = None
+        self._pool, self._state = pool, state
+        self._payloads, self._close = events, close
+        self._first: Any = None
         self._closed = False
+
+    @classmethod
+    def over_http(cls, pool: Any, state: Any, response: httpx.Response) -> PoolStream:
+        """The stream of an HTTP response of server-sent events."""
+        return cls(pool, state, _parsed_events(response), response.aclose)
 
     async def peek(self) -> None:
         """Wait for the first event (a ValueError when the stream ends before one)."""
@@ -44,18 +55,17 @@ class PoolStream:
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         """Each event up to `[DONE]`; an error body last when the server or the connection failed."""
         try:
-            data = self._first
-            while data is not None and data != "[DONE]":
-                event = json.loads(data)
+            event = self._first
+            while event is not None and event != "[DONE]":
                 if isinstance(event, dict) and isinstance(event.get("error"), dict):
                     self._pool.mark_server_error(self._state, 500, event)
                     yield event
                     return
                 yield event
-                data = await anext(self._payloads, None)
-            if data is None:
+                event = await anext(self._payloads, None)
+            if event is None:
                 raise ValueError("the stream ended without [DONE]")
-        except (httpx.HTTPError, ValueError) as e:
+        except (httpx.HTTPError, ValueError, RuntimeError) as e:
             reason = (
                 f"stream broke: {type(e).__name__}: {e}" if str(e) else f"stream broke: {type(e).__name__}"
             )
@@ -69,4 +79,10 @@ class PoolStream:
         self._closed = True
         self._state.in_flight -= 1
         with anyio.CancelScope(shield=True):
-            await self._response.aclose()
+            await self._close()
+
+
+async def _parsed_events(response: httpx.Response) -> AsyncIterator[Any]:
+    """Each server-sent event's data: parsed JSON, or the closing `"[DONE]"` as it is."""
+    async for data in read_sse(response.aiter_lines()):
+        yield data if data == "[DONE]" else json.loads(data)

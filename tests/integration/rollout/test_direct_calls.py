@@ -4,8 +4,11 @@ refusals and the failover are the ones HTTP gives, and the HTTP route is not use
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
+
+from agentrl.rollout._openai_protocol import FINAL_BODY_FIELD
 
 from agentrl.rollout.app import DirectCalls, build_server_app
 from agentrl.rollout.engines.embedded import EmbeddedEngine
@@ -37,7 +40,14 @@ def served(model, tokenizer, monkeypatch):
             answered.append(path)
         return answer
 
+    original_stream = DirectCalls.stream
+
+    async def recording_stream(self, path, body):
+        answered.append(f"stream {path}")
+        return await original_stream(self, path, body)
+
     monkeypatch.setattr(DirectCalls, "call", recording)
+    monkeypatch.setattr(DirectCalls, "stream", recording_stream)
     yield handle, engine, answered
     handle.stop()
     engine.close()
@@ -89,11 +99,68 @@ def test_refusals_are_the_same_status_and_message_as_over_http(served):
     assert len(answered) == 3
 
 
-def test_a_streaming_request_goes_over_http(served):
+def test_forward_of_a_streaming_request_is_refused_as_over_http(served):
     handle, _, answered = served
-    # The pool parses JSON answers; a stream is not one, which is the HTTP path's answer too (a ValueError).
+    # `forward` parses JSON answers; a stream is not one, which is the HTTP path's answer too (a ValueError).
     answer = _forward(handle.url, "/v1/chat/completions", {**CHAT, "stream": True}, in_process=True)
     assert answered == [] and answer.status == 503
+
+
+def _stream_events(url: str, path: str, body: dict, *, direct: bool, keep: int | None = None) -> list:
+    """The events `forward_stream` hands over (all, or the first `keep` before the stream is closed)."""
+
+    async def run():
+        pool = RolloutPool([url], model_name="tiny", direct=direct, max_retries=0)
+        try:
+            stream = await pool.forward_stream("s", path, body)
+            events = []
+            try:
+                async for event in stream.events():
+                    events.append(event)
+                    if keep is not None and len(events) == keep:
+                        break
+            finally:
+                await stream.aclose()
+            return events, pool.servers[0].in_flight
+        finally:
+            await pool.aclose()
+
+    return asyncio.run(run())
+
+
+def _comparable(event):
+    """An event without the ids and times each call draws anew (also inside the final body)."""
+    if isinstance(event, dict) and FINAL_BODY_FIELD in event:
+        return {FINAL_BODY_FIELD: _without_ids(event[FINAL_BODY_FIELD])}
+    return _without_ids(event) if isinstance(event, dict) else event
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"], ids=["chat", "completions"])
+def test_a_streamed_answer_as_python_is_the_http_streams_events(served, path):
+    handle, _, answered = served
+    body = {**CHAT, "max_tokens": 8, "ignore_eos": True, "stream": True, FINAL_BODY_FIELD: True}
+    if path == "/v1/completions":
+        body = {k: v for k, v in body.items() if k not in ("messages", "logprobs")} | {"prompt": [5, 6, 7]}
+    direct, direct_left = _stream_events(handle.url, path, body, direct=True)
+    assert answered == [f"stream {path}"]
+    over_http, http_left = _stream_events(handle.url, path, body, direct=False)
+    assert answered == [f"stream {path}"]  # the second went over HTTP
+    assert direct_left == http_left == 0  # each stream gave its server slot back
+    assert len(direct) >= 8  # a chunk per token, then the final body
+    assert [_comparable(e) for e in direct] == [_comparable(e) for e in over_http]
+    final = direct[-1][FINAL_BODY_FIELD]
+    assert len(final["choices"][0]["token_ids"]) == 8
+
+
+def test_closing_a_python_stream_stops_its_generation(served):
+    handle, engine, _ = served
+    body = {**CHAT, "max_tokens": 100, "ignore_eos": True, "stream": True, FINAL_BODY_FIELD: True}
+    events, left = _stream_events(handle.url, "/v1/chat/completions", body, direct=True, keep=3)
+    assert len(events) == 3 and left == 0
+    deadline = time.monotonic() + 10
+    while engine.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.stats()["running"] == 0  # the engine dropped the request, not ran it out
 
 
 def test_an_engine_that_raises_marks_the_server_unhealthy_as_a_500_would(served, monkeypatch, caplog):

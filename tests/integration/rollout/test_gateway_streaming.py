@@ -1,7 +1,8 @@
 """Tokens stream through the gateway as they are generated, and the trace is the unstreamed call's.
 
-A real embedded server on loopback (served from this process, so the pool must stream over HTTP: ASGI in
-process would deliver the answer in one piece at the end) behind the gateway, driven by the `openai` client.
+A real embedded server on loopback behind the gateway, driven by the `openai` client. The server runs in this
+process, so the pool takes its events as Python (`DirectCalls.stream`); every test runs again with the pool
+told to stream over HTTP (`direct=False`), the path of a server in another process.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def server():
     engine.close()
 
 
-@pytest.fixture(scope="module")
-def gateway(server):
-    pool = RolloutPool([server], model_name=MODEL, request_timeout=60)
+@pytest.fixture(scope="module", params=[True, False], ids=["direct", "http"])
+def gateway(server, request):
+    pool = RolloutPool([server], model_name=MODEL, request_timeout=60, direct=request.param)
     sampling = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS)
     with Gateway(pool, sampling_train=sampling, max_prompt_tokens=MAX_PROMPT) as gw:
         yield gw
