@@ -28,7 +28,6 @@ from agentrl.rollout._openai_protocol import (
 )
 from agentrl.rollout.chat import parse_tool_calls
 
-
 Event = dict[str, Any] | str
 """One streamed event: an OpenAI chunk (or error, usage, final body) as a dict, or the closing `"[DONE]"`."""
 

@@ -290,9 +290,7 @@ def _completion_prompts(
     return ids
 
 
-async def _completions(
-    server: _Server, req: CompletionRequest
-) -> dict[str, Any] | AsyncIterator[Event]:
+async def _completions(server: _Server, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[Event]:
     """As `_chat`: a dict, or the stream's events."""
     server.check_request(req, default_max_tokens=COMPLETIONS_MAX_TOKENS)
     if req.echo:

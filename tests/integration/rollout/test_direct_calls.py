@@ -9,7 +9,6 @@ import time
 import pytest
 
 from agentrl.rollout._openai_protocol import FINAL_BODY_FIELD
-
 from agentrl.rollout.app import DirectCalls, build_server_app
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.rollout.pool import RolloutPool
