@@ -57,8 +57,8 @@ SPAN_STEP = 64
 SHARED_PREFIX_MIN_GAIN = 32
 """Fewest prompt tokens a shared prefix within one admission must save to be worth a second prefill forward."""
 EXTEND_MAX_TOKENS = 64
-"""Prompts with at most this many tokens left to compute (a next turn over a cached history) go through
-`extend_step`'s graphs; longer ones through the packed `prefill_slots`."""
+"""With CUDA graphs, prompts with at most this many tokens left to compute (a next turn over a cached history) go
+through `extend_step`'s graphs; longer ones (and all of them without graphs) through the packed `prefill_slots`."""
 MIN_EXTEND_WIDTH = 16
 PREFILL_MASK_ELEMENTS = 1 << 26
 """Most attention-mask elements (rows x query rows x keys) one prefill forward builds: bounds its memory."""
@@ -306,8 +306,11 @@ class SlotBatch:
         prompts: list[list[int]],
         images: list[ImageInputs | None],
     ) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
-        """Compute each planned prompt from its start position: short runs through `_extend`, the rest (and
-        any that computes image pads) through `_prefill_chunks`; their last logits and rotary offsets."""
+        """Compute each planned prompt from its start position: with CUDA graphs, short runs through `_extend`
+        (one graph replay), the rest (and any that computes image pads) through `_prefill_chunks`; without
+        graphs every run through `_prefill_chunks`, whose packed forward pads nothing (`_extend` pads rows,
+        width and span to powers of two: a third more time for 32 agent turns on the CPU). Their last logits
+        and rotary offsets."""
         computed = {i: prompts[i][start:] for i, (_, start) in prefill.items()}
         pixels = {i: images[i] for i in prefill if images[i] is not None}
         vision: dict[int, PromptImages] = {}
@@ -317,7 +320,8 @@ class SlotBatch:
         short = {
             i: at
             for i, at in prefill.items()
-            if len(computed[i]) <= EXTEND_MAX_TOKENS
+            if self.cuda_graphs
+            and len(computed[i]) <= EXTEND_MAX_TOKENS
             and (i not in vision or vision[i].pads_before[-1] == vision[i].pads_before[at[1]])
         }  # pads to compute go through `prefill_slots`, which reads image features
         long = {i: at for i, at in prefill.items() if i not in short}

@@ -120,6 +120,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def _attention_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA's `attn_mask` from the boolean `visible`: on the CPU an additive mask made once per forward, since
+    SDPA converts a boolean one in every layer's call (measured on one core: a 32-row prefill's attention took
+    23 ms a layer with the boolean mask and 15 ms with this one); elsewhere the boolean as it is."""
+    if visible.device.type != "cpu":
+        return visible
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+
+
 def _heads(projected: torch.Tensor, head_dim: int, norm: torch.nn.Module | None) -> torch.Tensor:
     """(B, 1, heads*D) -> (B, heads, 1, D), with the per-head norm of Qwen3-style attention."""
     states = projected.view(projected.shape[0], 1, -1, head_dim)
@@ -157,6 +166,7 @@ def decode_step(
     visible = (torch.arange(length, device=token_ids.device).unsqueeze(0) <= positions.unsqueeze(1)).view(
         batch, 1, 1, length
     )
+    visible = _attention_mask(visible, hidden.dtype)
     for index, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
@@ -218,6 +228,7 @@ def prefill_slots(
     mask = visible.unsqueeze(1).expand(rows, groups, widest, span).reshape(rows, 1, groups * widest, span)
 
     hidden = inner.embed_tokens(ids.unsqueeze(0))  # (1, N, H)
+    mask = _attention_mask(mask, hidden.dtype)
     rope = positions.unsqueeze(0)
     if vision is not None:
         hidden[0, vision.mask] = vision.embeds.to(hidden.dtype)
@@ -288,6 +299,7 @@ def extend_step(
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     visible = torch.arange(length, device=token_ids.device).view(1, 1, length) <= positions.unsqueeze(2)
     mask = visible.unsqueeze(1).expand(rows, groups, width, length).reshape(rows, 1, groups * width, length)
+    mask = _attention_mask(mask, hidden.dtype)
     slots = slot_ids.unsqueeze(1)
     for index, layer in enumerate(inner.layers):
         attn = layer.self_attn

@@ -1,0 +1,65 @@
+"""The slot cache's three forwards (packed prefill, fixed-width extend, one-token decode) give the logits of a
+plain forward of the whole sequence, each continuing where the one before left its keys and values. The CPU
+engine extends through the packed prefill, so `extend_step` (the CUDA-graph path) is checked here on the CPU."""
+
+import pytest
+import torch
+
+from agentrl.rollout.engines._slot_decode import KVShape, decode_step, extend_step, prefill_slots
+from tests._random_qwen2 import random_qwen2
+
+SLOTS, LENGTH = 4, 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_qwen2(vocab_size=80)
+
+
+def _cache(model):
+    shape = KVShape.of(model)
+    size = (SLOTS, shape.kv_heads, LENGTH, shape.head_dim)
+    return [torch.zeros(size) for _ in range(shape.layers)], [torch.zeros(size) for _ in range(shape.layers)]
+
+
+def _reference(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+@pytest.mark.parametrize("extend_with", ["extend_step", "prefill_slots"])
+def test_prefill_then_extend_then_decode_equal_one_forward(model, extend_with):
+    torch.manual_seed(1)
+    rows = [torch.randint(0, 80, (n,)).tolist() for n in (30, 17, 24)]
+    slots, head, more = [2, 0, 3], [12, 5, 9], 6  # prompt head, then `more` tokens, then decode the rest
+    keys, values = _cache(model)
+    first = prefill_slots(
+        model, keys, values, slots, [0, 0, 0], [r[:h] for r, h in zip(rows, head, strict=True)]
+    )
+    chunks = [r[h : h + more] for r, h in zip(rows, head, strict=True)]
+    if extend_with == "extend_step":
+        width = 8  # wider than the chunks: padding tokens sit at the sink, the slot's last position
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        positions = torch.full((len(rows), width), LENGTH - 1)
+        for i, (chunk, h) in enumerate(zip(chunks, head, strict=True)):
+            tokens[i, :more], positions[i, :more] = torch.tensor(chunk), torch.arange(h, h + more)
+        last = torch.full((len(rows),), more - 1)
+        second = extend_step(model, keys, values, torch.tensor(slots), tokens, positions, last, span=LENGTH)
+    else:
+        second = prefill_slots(model, keys, values, slots, head, chunks)
+    for i, row in enumerate(rows):
+        reference = _reference(model, row)
+        torch.testing.assert_close(first[i], reference[head[i] - 1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(second[i], reference[head[i] + more - 1], atol=1e-5, rtol=0)
+
+    # decode_step feeds row i in slot i: move each row's cache to the slot of its index
+    order = torch.tensor(slots)
+    for cache in (*keys, *values):
+        cache[: len(rows)] = cache[order].clone()
+    at = [h + more for h in head]
+    for step in range(5):
+        ids = torch.tensor([row[a + step] for row, a in zip(rows, at, strict=True)])
+        positions = torch.tensor([a + step for a in at])
+        logits = decode_step(model, keys, values, ids, positions, span=max(at) + step + 1)
+        for i, row in enumerate(rows):
+            torch.testing.assert_close(logits[i], _reference(model, row)[at[i] + step], atol=1e-5, rtol=0)
