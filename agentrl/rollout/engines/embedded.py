@@ -524,8 +524,7 @@ class EmbeddedEngine:
             self._detok.check_finished(seq, at_limit)
             if seq.finish_reason or seq.request.stream:
                 events.setdefault(id(seq.request), (seq.request, []))[1].append(self._detok.take_event(seq))
-        for request, request_events in events.values():
-            self._deliver(request, request_events)
+        self._deliver_all(list(events.values()))
         now = time.monotonic()
         self._tokens_generated += len(rows)
         self._recent.append((now, len(rows)))
@@ -601,10 +600,21 @@ class EmbeddedEngine:
 
     @staticmethod
     def _deliver(request: Request, payload: list[StreamEvent] | BaseException) -> None:
-        try:
-            request.loop.call_soon_threadsafe(request.queue.put_nowait, payload)
-        except RuntimeError:  # the caller's event loop is gone; nobody is waiting
-            request.cancelled = True
+        EmbeddedEngine._deliver_all([(request, payload)])
+
+    @staticmethod
+    def _deliver_all(deliveries: list[tuple[Request, list[StreamEvent] | BaseException]]) -> None:
+        """Hand each request its payload on its event loop: one wake-up per loop for a whole decode step, not
+        one per request (each is a write to the loop's self-pipe and a turn of the loop)."""
+        by_loop: dict[Any, list[tuple[Request, Any]]] = {}
+        for request, payload in deliveries:
+            by_loop.setdefault(request.loop, []).append((request, payload))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the callers' event loop is gone; nobody is waiting
+                for request, _ in items:
+                    request.cancelled = True
 
     def _fail_running(self, error: BaseException) -> None:
         failed = {id(s.request): s.request for s in self._rows}
@@ -798,6 +808,11 @@ class EmbeddedEngine:
             self._closed = True
             self._cond.notify()
         self._thread.join(timeout=30)
+
+
+def _put_all(items: list[tuple[Request, Any]]) -> None:
+    for request, payload in items:
+        request.queue.put_nowait(payload)
 
 
 def build_embedded_engine(
