@@ -12,13 +12,17 @@ import re
 from agentrl import Episode, EvalOutput, Evaluator, Task
 from agentrl.evaluator import normalize_number
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_ANSWER = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*\.?\s*")
 
 
 def extract_answer(text: str | None) -> str | None:
-    """The last number in the answer text ("It is 851." -> "851"), or None."""
-    numbers = _NUMBER.findall(text or "")
-    return numbers[-1] if numbers else None
+    """The number the answer is ("851", " 851.\n" -> "851"), or None when it is anything else.
+
+    The prompt asks for the number only. Reading the last number of any text instead rewarded answers that
+    were the right digit followed by sampled garbage up to the length limit ("5 * 5 shirtsRemain ..."), and
+    GRPO reinforced the garbage: on seed 3 the policy's entropy rose from 0.3 to over 3 nats a token."""
+    match = _ANSWER.fullmatch(text or "")
+    return match.group(1) if match else None
 
 
 class ToolAnswerEvaluator(Evaluator):

@@ -61,7 +61,16 @@ def test_schemas_name_every_tool_and_its_required_arguments():
 
 
 @pytest.mark.parametrize(
-    ("text", "expected"), [("851", "851"), ("It is 851.", "851"), ("-89", "-89"), ("no", None), (None, None)]
+    ("text", "expected"),
+    [
+        ("851", "851"),
+        (" 851.\n", "851"),
+        ("-89", "-89"),
+        ("It is 851.", None),  # the prompt asks for the number only
+        ("5 * 5 shirtsRemain look", None),  # a right first digit and sampled garbage is not an answer
+        ("no", None),
+        (None, None),
+    ],
 )
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
