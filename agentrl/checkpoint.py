@@ -129,7 +129,10 @@ def save_checkpoint(
         _write_durably(tmp / COMPLETE_MARKER, f"{step}\n")
         _fsync_dir(tmp)
         _move_into_place(tmp, final)
-    except Exception as err:
+    except (
+        OSError,
+        RuntimeError,
+    ) as err:  # a full disk: OSError from Python, RuntimeError from torch's writer
         message = _write_failure_message(final, tmp, err)
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(message) from err

@@ -314,8 +314,9 @@ class RolloutPool:
         self, state: ServerState, path: str, body: dict[str, Any]
     ) -> tuple[int, Any] | PoolStream:
         direct = self._direct_server(state.url)
-        if direct is not None:
-            return await self._open_direct_stream(direct, state, path, body)
+        answer = await self._open_direct_stream(direct, state, path, body) if direct is not None else None
+        if answer is not None:
+            return answer
         client = self._client(network=True)
         request = client.build_request(
             "POST",
@@ -338,14 +339,15 @@ class RolloutPool:
 
     async def _open_direct_stream(
         self, direct: Any, state: ServerState, path: str, body: dict[str, Any]
-    ) -> tuple[int, Any] | PoolStream:
-        """A stream of an embedded server of this process, its events as Python dicts (`DirectCalls.stream`)."""
+    ) -> tuple[int, Any] | PoolStream | None:
+        """A stream of an embedded server of this process, its events as Python dicts (`DirectCalls.stream`);
+        None for a path it does not serve as Python (the caller goes over HTTP)."""
         try:
             answer = await direct.stream(path, body)
         except Exception as error:  # noqa: BLE001 - over HTTP it is a 500 as well
             return self._direct_failure(state.url, path, error)
         if answer is None or isinstance(answer, tuple):
-            return answer or (404, build_error(f"{path}: not a route of the in-process server", None, 404))
+            return answer
         stream = PoolStream(self, state, answer, answer.aclose)
         try:
             await stream.peek()

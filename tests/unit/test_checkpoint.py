@@ -106,6 +106,15 @@ def test_a_write_the_disk_refuses_is_explained_and_leaves_nothing(root):
     assert sorted(p.name for p in root.iterdir()) == ["global_step_2", LATEST_FILE]
 
 
+def test_a_bug_in_the_writer_keeps_its_own_exception(root):
+    def buggy(folder):
+        raise KeyError("model.layers.0")  # not a write the disk refused: no CheckpointWriteError around it
+
+    with pytest.raises(KeyError, match="model.layers.0"):
+        save_checkpoint(root, 4, buggy, {}, max_to_keep=None)
+    assert not (root / "global_step_4").exists()
+
+
 def test_unserializable_trainer_state_leaves_nothing(root):
     with pytest.raises(TypeError, match="JSON-serializable"):
         save_checkpoint(root, 1, _write_weights(1), {"bad": object()}, max_to_keep=None)

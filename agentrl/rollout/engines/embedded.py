@@ -376,9 +376,7 @@ class EmbeddedEngine:
                 self._step_on_host(admitted)
         except Exception as error:  # admitted requests not yet running: _fail_running would not reach them
             running = {id(seq.request) for seq in self._rows}
-            for request, _ in admitted:
-                if id(request) not in running:
-                    self._deliver(request, error)
+            self._deliver_all([(request, error) for request, _ in admitted if id(request) not in running])
             raise
         return hold
 
@@ -599,10 +597,6 @@ class EmbeddedEngine:
             self._rows = [self._rows[i] for i in keep]
 
     @staticmethod
-    def _deliver(request: Request, payload: list[StreamEvent] | BaseException) -> None:
-        EmbeddedEngine._deliver_all([(request, payload)])
-
-    @staticmethod
     def _deliver_all(deliveries: list[tuple[Request, list[StreamEvent] | BaseException]]) -> None:
         """Hand each request its payload on its event loop: one wake-up per loop for a whole decode step, not
         one per request (each is a write to the loop's self-pipe and a turn of the loop)."""
@@ -622,8 +616,7 @@ class EmbeddedEngine:
             if self._closed:
                 failed.update({id(r): r for r, _ in self._waiting})
                 self._waiting.clear()
-        for request in failed.values():
-            self._deliver(request, error)
+        self._deliver_all([(request, error) for request in failed.values()])
         self._rows, self._in_flight, self._rows_on_device = [], [], False
         self._batch.clear()
 
