@@ -257,6 +257,17 @@ def _check_val_sampling(cfg: AgentRLConfig) -> list[str]:
     return []
 
 
+def _check_train_temperature(cfg: AgentRLConfig) -> list[str]:
+    """rollout.temperature > 0: the trainer divides its logits by it (the policy the engine sampled from)."""
+    if cfg.actor_rollout_ref.rollout.temperature > 0.0:
+        return []
+    return [
+        "actor_rollout_ref.rollout.temperature=0.0 samples training episodes greedily: a group's answers would "
+        "be identical and the trained policy softmax(logits / temperature) is undefined; set it > 0 "
+        "(1.0 samples the model as it is)"
+    ]
+
+
 def _check_sft_stop(cfg: AgentRLConfig) -> list[str]:
     """sft.stop_accuracy needs held-out rows to check: sft.val_rows >= 1."""
     sft = cfg.sft
@@ -283,6 +294,7 @@ CROSS_FIELD_CHECKS: tuple[Callable[[AgentRLConfig], list[str]], ...] = (
     _check_fsdp_size,
     _check_resource_pool,
     _check_val_sampling,
+    _check_train_temperature,
     _check_sft_stop,
 )
 """Every cross-field rule, in the order problems are reported."""

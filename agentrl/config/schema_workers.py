@@ -167,7 +167,7 @@ class RolloutConfig(_Section):
     n: int = Field(4, ge=1)
     """Samples per task (the GRPO group size)."""
     temperature: float = Field(1.0, ge=0.0)
-    """Training sampling temperature."""
+    """Training sampling temperature; the trainer's log-probs are of softmax(logits / temperature), as verl's."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Training nucleus sampling threshold."""
     top_k: int = Field(-1, ge=-1)

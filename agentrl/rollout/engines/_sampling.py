@@ -17,14 +17,15 @@ brings the result to the host at once; `sample_on_device` serves plain rows whos
 live on the device, and leaves tokens there, so the engine can launch the next decode step before it
 reads them (`_slot_batch.SlotBatch.decode_sampled`).
 
-Logprobs are always the log-softmax of the RAW logits (before temperature, top-k, top-p and the
-min_tokens mask) at the chosen token: the log-probability of the token under the policy itself,
-which is what PPO/GRPO importance ratios need (verl and vLLM's default `logprobs_mode="raw_logprobs"`
-do the same).
+Logprobs are the log-softmax of the logits divided by the row's temperature (greedy rows: the raw
+logits), before top-k, top-p and the min_tokens mask, at the chosen token: log softmax(z / T), the
+policy the trainer trains (`training/update/forward.py` divides its logits by the rollout temperature, as
+verl's actor and TRL's GRPOTrainer do). vLLM reports the same with `logprobs_mode="processed_logprobs"`
+(which verl sets by default) when top_p = 1 and top_k is off; its default `raw_logprobs` is before temperature.
 
 A row may also carry an allowed-token bitmask (constrained decoding, `constraints.py`): tokens outside
 it are removed from the choice logits before filtering and the draw, like blocked tokens. The
-reported logprob stays the raw, unmasked one.
+reported logprob stays the unmasked one.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class RowSampling:
     """Index of the token being drawn within the completion."""
     top_logprobs: int = 0
     blocked_token_ids: tuple[int, ...] = ()
-    """Tokens this row cannot choose: EOS and stop tokens below `min_tokens` (vLLM's rule); logprobs stay raw."""
+    """Tokens this row cannot choose: EOS and stop tokens below `min_tokens` (vLLM's rule); logprobs stay unmasked."""
     allowed: torch.Tensor | None = None
     """Constrained rows only: (ceil(V / 32),) int32 bitmask, bit b of word w allows token 32 * w + b
     (llguidance's layout); every other token is removed before the draw. None = unconstrained."""
@@ -61,7 +62,7 @@ class RowSampling:
 
 @dataclass
 class StepResult:
-    """What one decode step chose for every row: token ids (B,), raw logprobs (B,), optional tops."""
+    """What one decode step chose for every row: token ids (B,), tempered logprobs (B,), optional tops."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -178,15 +179,28 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
+def policy_log_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """(B, V) log softmax(z / T) of float logits, T the row's temperature (1 for greedy rows): the logprobs
+    the engine reports."""
+    divisor = torch.where(temperature <= 0.0, torch.ones_like(temperature), temperature)
+    return torch.log_softmax(logits / divisor.unsqueeze(1), dim=-1)
+
+
+def policy_logprob(logits: torch.Tensor, temperature: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """(B,) `policy_log_softmax` at each row's chosen token."""
+    return policy_log_softmax(logits.float(), temperature).gather(1, chosen.unsqueeze(1)).squeeze(1)
+
+
 def select_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> StepResult:
-    """Choose the next token of every row and report its raw logprob (and top-k raw logprobs).
+    """Choose the next token of every row and report its logprob (and top logprobs) under log softmax(z / T).
 
     logits (B, V): the model's last-position logits, any float dtype (computed in float32).
     Greedy rows (temperature 0) take the argmax of the raw logits, like `generate(do_sample=False)`.
     """
     logits = logits.float()
     dev = logits.device
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    temperatures = torch.tensor([r.temperature for r in rows], device=dev, dtype=torch.float32)
+    policy_logprobs = policy_log_softmax(logits, temperatures)
     choice_logits = logits
     blocked = [
         (i, t) for i, row in enumerate(rows) for t in row.blocked_token_ids if 0 <= t < logits.shape[-1]
@@ -211,14 +225,14 @@ def select_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> StepResult:
         part = choice_logits if len(sampled) == len(rows) else choice_logits[idx]
         probs = torch.softmax(filter_logits(part, temperature, top_p, top_k), dim=-1)
         chosen = chosen.index_copy(0, idx, _inverse_cdf(probs, uniforms))
-    token_lp = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    token_lp = policy_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
     # One copy to the host for the whole step (token ids < 2^24 are exact in float64 and in float32).
     host = torch.stack([chosen.double(), token_lp.double()]).cpu()
     token_ids = [int(t) for t in host[0].tolist()]
     tops: list[dict[int, float] | None] = [None] * len(rows)
     max_top = max((row.top_logprobs for row in rows), default=0)
     if max_top > 0:
-        values, indices = torch.topk(raw_logprobs, k=min(max_top, raw_logprobs.shape[-1]), dim=-1)
+        values, indices = torch.topk(policy_logprobs, k=min(max_top, policy_logprobs.shape[-1]), dim=-1)
         values, indices = values.tolist(), indices.tolist()
         for i, row in enumerate(rows):
             if row.top_logprobs > 0:
@@ -241,7 +255,7 @@ def sample_on_device(
     positions: torch.Tensor,
     needs: tuple[bool, bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row's next token and its raw logprob, left on the device (no host sync).
+    """Every row's next token and its logprob under log softmax(z / T), left on the device (no host sync).
 
     For rows without blocked tokens, grammars or top logprobs; the draw equals `select_tokens`' for the same
     (seed, position). Greedy rows (temperature <= 0) take the argmax of the raw logits.
@@ -251,5 +265,4 @@ def sample_on_device(
     scaled = filter_logits(logits, torch.where(greedy, 1.0, temperature), top_p, top_k, needs=needs)
     drawn = _inverse_cdf(torch.softmax(scaled, dim=-1), uniform_draws(seeds, positions))
     chosen = torch.where(greedy, torch.argmax(logits, dim=-1), drawn)
-    logprob = torch.log_softmax(logits, dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1)
-    return chosen, logprob
+    return chosen, policy_logprob(logits, temperature, chosen)

@@ -38,7 +38,7 @@ import torch
 
 from agentrl.models.compile_cache import use_compile_cache
 from agentrl.rollout.engines._prefix_cache import PrefixCache, shared_prefixes
-from agentrl.rollout.engines._sampling import as_int64, sample_on_device
+from agentrl.rollout.engines._sampling import as_int64, policy_logprob, sample_on_device
 from agentrl.rollout.engines._slot_decode import KVShape, decode_step, extend_step, prefill_slots, text_config
 from agentrl.rollout.engines.vision import (
     ImageInputs,
@@ -95,7 +95,7 @@ def _compiled_decode_step():
 
 @dataclass
 class DeviceDraw:
-    """Tokens and raw logprobs drawn on the device for some slots, on their way to the host."""
+    """Tokens and logprobs drawn on the device for some slots, on their way to the host."""
 
     slots: list[int]
     results: torch.Tensor
@@ -650,13 +650,12 @@ class SlotBatch:
         return torch.stack([chosen.double(), logprob.double()])
 
     def _sample_on_device(self, logits: torch.Tensor, *settings: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """`sample_on_device(logits, *settings)`, never choosing the `_never` tokens; the logprob stays the raw
-        one (as the host's `select_tokens` blocks tokens)."""
+        """`sample_on_device(logits, *settings)`, never choosing the `_never` tokens; the logprob stays the
+        unmasked one (as the host's `select_tokens` blocks tokens). settings[0] is the rows' temperature."""
         if self._never is None:
             return sample_on_device(logits, *settings)
         chosen, _ = sample_on_device(logits.index_fill(1, self._never, float("-inf")), *settings)
-        logprob = torch.log_softmax(logits.float(), dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1)
-        return chosen, logprob
+        return chosen, policy_logprob(logits, settings[0], chosen)
 
     def _to_host(self, results: torch.Tensor, slots: list[int]) -> DeviceDraw:
         if self.device.type != "cuda":

@@ -6,8 +6,8 @@ thread), `model.generate_batch(..., ContinuousBatchingConfig(return_logprobs=Tru
 tokens/s (manager start-up included). Beyond speed, it does not fit the API:
 (1) its sampling settings (temperature, top-p, top-k, do_sample) are per manager, and our API
 and the OpenAI protocol take them per request (train and validation differ, agents set their
-own); (2) its logprobs are `log(softmax(processed scores))`, i.e. after temperature and top-p,
-while RL needs the raw policy logprob, and `log(softmax)` underflows where `log_softmax` does not;
+own); (2) its logprobs are `log(softmax(processed scores))`, i.e. after top-p too,
+while RL needs the logprob of the trained policy, and `log(softmax)` underflows where `log_softmax` does not;
 (3) it samples with the global RNG, so per-request seeds cannot be honoured; (4) it has no stop
 strings. Instead a compact scheduler of our own runs in a background thread: between decode steps
 it admits waiting requests (each prompt prefilled once, its KV shared by its `n` completions) and
@@ -20,8 +20,9 @@ whatever else is in the batch, and greedy (temperature 0) equals `model.generate
 slot path, rows without grammars, blocked tokens or top logprobs draw on the device and the scheduler
 runs one step ahead: it launches step k+1 before it reads step k's tokens (`_step_on_device`).
 
-Logprobs are raw (log-softmax of the unprocessed logits at the sampled token), matching a
-teacher-forced forward pass of the same weights. Weight updates and LoRA merges take the step lock,
+Logprobs are log softmax(z / T) at the sampled token (T the request's temperature, 1 when greedy; before
+top-k and top-p), matching a teacher-forced forward pass of the same weights with its logits divided by T,
+which is what the trainer computes. Weight updates and LoRA merges take the step lock,
 so they land between two decode steps; sequences still running continue with the new weights.
 """
 
@@ -197,7 +198,7 @@ class EmbeddedEngine:
         images: ImageInputs | None = None,
         constraint: Constraint | None = None,
     ) -> list[GenerationOutput]:
-        """`params.n` completions of `prompt_ids` (token ids, raw logprobs, text, finish reason).
+        """`params.n` completions of `prompt_ids` (token ids, logprobs, text, finish reason).
 
         `images`: the pixels behind the prompt's image pads (`vision.build_image_prompt`).
         `constraint`: the format the completions must follow (`constraints.build_constraint`).

@@ -196,6 +196,7 @@ def build_vllm_command(
         "--dtype", dtype, "--max-model-len", str(max_model_len),
         "--enforce-eager", "--max-num-seqs", str(max_num_seqs),
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--logprobs-mode", "processed_logprobs",  # after temperature: the policy the trainer trains
     ]  # fmt: skip
     if enable_lora:
         cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "2"]

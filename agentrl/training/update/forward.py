@@ -12,6 +12,11 @@ positions, which no loss reads, cost nothing and hold 0. The head's forward is s
 call (not its module), so FSDP sees the usual forward and its hooks gather and free the head's weight as they
 always do. Models whose forward changes the logits after the head (soft-capping, logit scales) keep the
 whole-logits path.
+
+The logits are divided by the rollout temperature before every statistic: the engine sampled from
+softmax(z / T) and reports that distribution's logprobs, so the trained, old and reference policies are the
+tempered one, as in verl's actor and TRL's GRPOTrainer. Training the untempered policy on tempered samples
+under-samples its tail, which then grows unseen (the tool-agent cookbook's entropy rose to a uniform policy's).
 """
 
 from __future__ import annotations
@@ -51,14 +56,18 @@ def compute_log_probs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     compile_head: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, L) log-probs of each response token under `model`, and (B, L) entropies when asked.
+    """(B, L) log-probs of each response token under softmax(`model`'s logits / `temperature`), and (B, L)
+    entropies of that distribution when asked.
 
     Positions outside `batch.response_mask` hold 0 on the chunked path (every loss masks them out).
     `entropy_grad=False`: the entropy is only logged (no entropy bonus): no gradient flows from it.
     `compile_head`: the chunked path's per-logit math goes through torch.compile (CUDA: one fused pass over each
     chunk's logits instead of ~10; `actor_rollout_ref.actor.use_torch_compile`).
     """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to train on its samples, got {temperature}")
     device = compute_device(model)
     input_ids = batch.input_ids.to(device)
     attention = batch.attention_mask.to(device)
@@ -66,13 +75,13 @@ def compute_log_probs(
     head = _chunkable_head(model)
     if head is None:
         logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False, **images).logits
-        logits = logits[:, :-1].float()
+        logits = logits[:, :-1].float() / temperature
         log_probs = _shift_right(compute_token_log_probs(logits, input_ids[:, 1:]))
         entropy = _shift_right(compute_entropy_from_logits(logits)) if with_entropy else None
         return log_probs, entropy
     wanted = batch.response_mask.to(device).bool()[:, 1:]
     math = _compiled_math() if compile_head else (logit_stats, logit_grad)
-    with _token_head(head, input_ids[:, 1:], wanted, with_entropy, entropy_grad, math):
+    with _token_head(head, input_ids[:, 1:], wanted, with_entropy, entropy_grad, math, temperature):
         out = model(input_ids=input_ids, attention_mask=attention, use_cache=False, **images).logits
     log_probs = _shift_right(out[..., 0])
     return log_probs, _shift_right(out[..., 1]) if with_entropy else None
@@ -99,19 +108,20 @@ def _token_head(
     with_entropy: bool,
     entropy_grad: bool,
     math,
+    temperature: float,
 ) -> Iterator[None]:
     """Make `head` return, for hidden states (B, L, H), a (B, L-1, 2) tensor of [log-prob, entropy] per token.
 
     `targets` (B, L-1): the token each position predicts; `wanted` (B, L-1) bool: the positions to compute;
-    `math`: (`logit_stats`, `logit_grad`), compiled or not.
+    `math`: (`logit_stats`, `logit_grad`), compiled or not; the logits are divided by `temperature` first.
     """
 
     def chunk_stats(hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # old or reference log-probs: the entropy only when asked
-            logits = torch.nn.functional.linear(hidden, head.weight, head.bias)
+            logits = _tempered(torch.nn.functional.linear(hidden, head.weight, head.bias), temperature)
             _, log_probs, entropy = math[0](logits, ids, with_entropy)
             return torch.stack([log_probs, entropy], dim=1)
-        return _ChunkStats.apply(hidden, head.weight, head.bias, ids, entropy_grad, math)
+        return _ChunkStats.apply(hidden, head.weight, head.bias, ids, entropy_grad, math, temperature)
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden[:, :-1]
@@ -172,6 +182,11 @@ def logit_grad(
     return grad.to(logits.dtype)
 
 
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature, in float32 when divided (bf16 would round z / T by up to 2^-8 of z)."""
+    return logits if temperature == 1.0 else logits.float() / temperature
+
+
 _COMPILED_MATH = None
 
 
@@ -217,22 +232,25 @@ class _ChunkStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, entropy_grad: bool, math):
-        lse, log_probs, entropy = math[0](torch.nn.functional.linear(hidden, weight, bias), ids)
+    def forward(ctx, hidden, weight, bias, ids, entropy_grad: bool, math, temperature: float):
+        logits = _tempered(torch.nn.functional.linear(hidden, weight, bias), temperature)
+        lse, log_probs, entropy = math[0](logits, ids)
         ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
-        ctx.entropy_grad, ctx.math = entropy_grad, math
+        ctx.entropy_grad, ctx.math, ctx.temperature = entropy_grad, math, temperature
         return torch.stack([log_probs, entropy], dim=1)
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
         grad_entropy = grad_out[:, 1].contiguous() if ctx.entropy_grad else None
-        logits = torch.nn.functional.linear(hidden, weight, bias)
+        logits = _tempered(torch.nn.functional.linear(hidden, weight, bias), ctx.temperature)
         grad = ctx.math[1](logits, ids, lse, entropy, grad_out[:, 0].contiguous(), grad_entropy)
+        if ctx.temperature != 1.0:  # d(z / T) / dz = 1 / T, back in the weights' dtype
+            grad = (grad / ctx.temperature).to(weight.dtype)
         grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def _image_inputs(

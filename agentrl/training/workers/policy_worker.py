@@ -236,8 +236,11 @@ class PolicyWorker:
 
     # ---- training side ------------------------------------------------------------------------------
     def _log_probs(self, model: torch.nn.Module, batch: TrainBatch, **kwargs) -> tuple[torch.Tensor, ...]:
+        """Log-probs under softmax(logits / rollout.temperature): the distribution the episodes were sampled
+        from (old, reference and current policy alike, as verl's actor divides by the rollout temperature)."""
         compile_head = self.config.actor_rollout_ref.actor.use_torch_compile and self.device.type == "cuda"
-        return compute_log_probs(model, batch, compile_head=compile_head, **kwargs)
+        temperature = self.config.actor_rollout_ref.rollout.temperature
+        return compute_log_probs(model, batch, compile_head=compile_head, temperature=temperature, **kwargs)
 
     @torch.no_grad()
     def compute_log_prob(self, batch: TrainBatch) -> dict[str, torch.Tensor]:

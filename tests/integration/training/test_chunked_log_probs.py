@@ -27,9 +27,10 @@ def _batch():
     return rows_to_batch(rows, pad_token_id=0)
 
 
-def _whole_logits(model, batch):
-    """The reference: every position's logits in float32, then the same formulas."""
+def _whole_logits(model, batch, temperature=1.0):
+    """The reference: every position's logits in float32 divided by the temperature, then the same formulas."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    logits = logits / temperature
     log_probs = torch.log_softmax(logits, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
     entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     pad = torch.nn.functional.pad
@@ -43,8 +44,10 @@ def _loss_and_grads(model, log_probs, entropy, mask):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7], ids=["untempered", "tempered"])
 @pytest.mark.parametrize("chunk_tokens", [1, 5, 10_000], ids=["one-token-chunks", "five", "one-chunk"])
-def test_chunked_log_probs_and_gradients_equal_whole_logits(monkeypatch, chunk_tokens):
+def test_chunked_log_probs_and_gradients_equal_whole_logits(monkeypatch, chunk_tokens, temperature):
+    """Also at a sampling temperature: values and gradients of softmax(z / T), the policy the engine sampled."""
     model = load_causal_lm("tiny:qwen2", dtype="float32")
     assert forward._chunkable_head(model) is model.lm_head
     vocab = model.lm_head.weight.shape[0]
@@ -52,9 +55,9 @@ def test_chunked_log_probs_and_gradients_equal_whole_logits(monkeypatch, chunk_t
     batch = _batch()
     mask = batch.response_mask.float()
 
-    expected_lp, expected_ent = _whole_logits(model, batch)
+    expected_lp, expected_ent = _whole_logits(model, batch, temperature)
     expected_grads = _loss_and_grads(model, expected_lp, expected_ent, mask)
-    log_probs, entropy = compute_log_probs(model, batch, with_entropy=True)
+    log_probs, entropy = compute_log_probs(model, batch, with_entropy=True, temperature=temperature)
     grads = _loss_and_grads(model, log_probs, entropy, mask)
 
     on = batch.response_mask
@@ -103,6 +106,21 @@ def test_lora_models_take_the_chunked_path_with_the_same_values():
     assert entropy is None
     on = batch.response_mask
     assert torch.allclose(log_probs[on], expected[on], atol=1e-5)
+
+
+def test_the_whole_logits_path_divides_by_the_temperature_too(monkeypatch):
+    """Models whose head is not chunkable (soft-capped logits, custom heads) train the same tempered policy."""
+    model = load_causal_lm("tiny:qwen2", dtype="float32")
+    monkeypatch.setattr(forward, "_chunkable_head", lambda _model: None)
+    batch = _batch()
+    with torch.no_grad():
+        expected_lp, expected_ent = _whole_logits(model, batch, 0.7)
+        log_probs, entropy = compute_log_probs(model, batch, with_entropy=True, temperature=0.7)
+    on = batch.response_mask
+    assert torch.allclose(log_probs[on], expected_lp[on], atol=1e-5)
+    assert torch.allclose(entropy[on], expected_ent[on], atol=1e-5)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        compute_log_probs(model, batch, temperature=0.0)
 
 
 @pytest.mark.slow

@@ -238,3 +238,34 @@ def test_old_log_probs_run_in_micro_batches_of_the_rollout_key_and_match_one_pas
     assert forwards == [2, 2, 4]
     torch.testing.assert_close(results[2], results[4], atol=1e-5, rtol=0)
     assert results[4][batch.response_mask.bool()].abs().min() > 0
+
+
+def test_old_log_probs_are_the_engines_at_the_rollout_temperature(shared_worker, monkeypatch):
+    """The engine samples at `rollout.temperature` and reports log softmax(z / T); the actor's log-probs of the
+    same tokens are taken at the same T (verl's and TRL's rule), so on-policy they agree, and at another T not."""
+    worker = shared_worker
+    engine = worker.rollout.engine
+    prompt = [11, 42, 97, 5, 260]
+    params = SamplingParams(temperature=0.7, max_tokens=12, n=2, seed=4, ignore_eos=True)
+    answers = asyncio.run(engine.generate(prompt, params))
+    rows = [
+        TrainingRow(
+            prompt + a.token_ids,
+            [0] * len(prompt) + [1] * len(a.token_ids),
+            [0.0] * (len(prompt) + 12),
+            1.0,
+            group_key="g",
+            trajectory_key=str(i),
+        )
+        for i, a in enumerate(answers)
+    ]
+    batch = rows_to_batch(rows, pad_token_id=worker.tokenizer_pad_id())
+    sampled = torch.tensor([a.logprobs for a in answers])
+    on = batch.response_mask.bool()
+
+    def old_log_probs(temperature: float) -> torch.Tensor:
+        monkeypatch.setattr(worker.config.actor_rollout_ref.rollout, "temperature", temperature)
+        return worker.compute_log_prob(batch)["old_log_probs"][on].reshape(sampled.shape)
+
+    torch.testing.assert_close(old_log_probs(0.7), sampled, atol=1e-4, rtol=0)
+    assert (old_log_probs(1.0) - sampled).abs().max() > 1e-2  # the untempered policy is another one

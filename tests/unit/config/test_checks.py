@@ -124,6 +124,10 @@ from agentrl.config import validate_config
             {"actor_rollout_ref.rollout.val_kwargs.n": 4},
             ["actor_rollout_ref.rollout.val_kwargs.n=4 with do_sample=false"],
         ),
+        (
+            {"actor_rollout_ref.rollout.temperature": 0.0},
+            ["actor_rollout_ref.rollout.temperature=0.0 samples training episodes greedily", "set it > 0"],
+        ),
         ({"sft.stop_accuracy": 0.5}, ["sft.stop_accuracy=0.5 needs held-out rows", "sft.val_rows=0"]),
     ],
 )

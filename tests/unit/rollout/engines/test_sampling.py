@@ -1,4 +1,4 @@
-"""Per-row sampling: filtering by hand-computed values, greedy, raw logprobs, per-row seeds, the draw's
+"""Per-row sampling: filtering by hand-computed values, greedy, tempered logprobs, per-row seeds, the draw's
 distribution, and tokens blocked below min_tokens."""
 
 import math
@@ -46,14 +46,20 @@ def test_greedy_rows_take_argmax_and_report_raw_logprob():
     assert list(top) == [0, 1] and math.isclose(top[0], step.logprobs[1], rel_tol=1e-6)
 
 
-def test_sampled_logprob_is_raw_not_processed():
+def test_sampled_logprob_is_tempered_but_not_truncated():
+    """The logprob is log softmax(z / T) at the token (the policy the trainer trains), before top-k/top-p."""
     logits = torch.tensor([[1.0, 1.0, -10.0]])
     step = select_tokens(logits, [_row(temperature=0.5, top_k=1, seed=0)])
-    # top_k=1 makes the processed probability 1, but the reported logprob is the raw log(0.5).
+    # top_k=1 makes the processed probability 1; the reported logprob is softmax(z / 0.5)'s log(~0.5).
     assert step.token_ids == [0]
     assert math.isclose(
-        step.logprobs[0], math.log(math.exp(1) / (2 * math.exp(1) + math.exp(-10))), rel_tol=1e-6
+        step.logprobs[0], math.log(math.exp(2) / (2 * math.exp(2) + math.exp(-20))), rel_tol=1e-6
     )
+    sharp = torch.tensor([[2.0, 0.0, -1.0]])
+    for temperature in (0.7, 1.0, 1.5):
+        step = select_tokens(sharp, [_row(temperature=temperature, seed=3)])
+        expected = torch.log_softmax(sharp[0] / temperature, -1)[step.token_ids[0]].item()
+        assert math.isclose(step.logprobs[0], expected, rel_tol=1e-6), temperature
 
 
 def test_seeded_row_is_reproducible_whatever_shares_its_batch():
@@ -91,7 +97,7 @@ def test_sampled_frequencies_follow_the_filtered_distribution():
     assert counts[2:].sum() == 0 and abs(counts[0].item() - 0.625) < 0.03
 
 
-def test_blocked_tokens_are_never_chosen_but_logprobs_stay_raw():
+def test_blocked_tokens_are_never_chosen_but_logprobs_stay_unmasked():
     logits = torch.tensor([[5.0, 0.0, 0.0], [5.0, 0.0, 0.0]])
     step = select_tokens(logits, [_row(temperature=0.0, blocked=[0]), _row(temperature=1.0, blocked=[0])])
     assert 0 not in step.token_ids
@@ -107,7 +113,7 @@ def _bitmask(allowed: list[int], vocab: int) -> torch.Tensor:
     return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 
 
-def test_allowed_bitmask_restricts_the_draw_and_logprobs_stay_raw():
+def test_allowed_bitmask_restricts_the_draw_and_logprobs_stay_unmasked():
     """Constrained rows choose only allowed tokens (greedy and sampled); their logprob is the unmasked
     log-softmax; an unconstrained row in the same batch is untouched. Vocab 40 spans two bitmask words,
     and token 33 sits in the second word, bit 1; token 31 is the sign bit of the first word."""
