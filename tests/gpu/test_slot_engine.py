@@ -61,19 +61,34 @@ def _generate(model, cuda_graphs: bool, compile_decode: bool = False):
 
 
 @pytest.mark.parametrize("compile_decode", [False, True], ids=["graphs", "compiled-graphs"])
-def test_graph_decoding_logprobs_equal_teacher_forcing_and_eager_tokens(model, compile_decode):
-    """Compiled kernels sum in another order than eager ones, so a draw that falls within ~1e-6 of a boundary
-    between two tokens may pick the neighbour (seen once at token 29 of 32 x 48): the compiled run is checked
-    for exact logprobs and for drawing the same tokens when run again, not for eager's tokens."""
-    prompts, with_graphs = _generate(model, cuda_graphs=True, compile_decode=compile_decode)
-    _, eager = (
-        _generate(model, cuda_graphs=False) if not compile_decode else _generate(model, True, True)
-    )  # rerun
-    for outs, eager_outs in zip(with_graphs, eager, strict=True):
-        assert [o.token_ids for o in outs] == [o.token_ids for o in eager_outs]
-    worst = worst_logprob_gap(model, prompts, with_graphs, TEMPERATURES)
+def test_graph_decoding_logprobs_equal_teacher_forcing_and_a_rerun_draws_the_same_tokens(
+    model, compile_decode
+):
+    """Graph (and compiled) decoding reports exact logprobs and, run again, draws the same tokens. Eager decoding
+    is held to exact logprobs only: without graphs short prompts are prefilled packed, whose kernels sum in
+    another order than the graph's extend step, so a draw within ~1e-6 of a boundary between two tokens may
+    pick the neighbour (5 of 32 completions diverged somewhere in 48 tokens on an H100, at 0.7 and at 1.0)."""
+    prompts, first = _generate(model, cuda_graphs=True, compile_decode=compile_decode)
+    _, again = _generate(model, cuda_graphs=True, compile_decode=compile_decode)
+    flips = [
+        (
+            p,
+            TEMPERATURES[p],
+            c,
+            next(i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids, strict=True)) if a != b),
+        )
+        for p, (outs, others) in enumerate(zip(first, again, strict=True))
+        for c, (x, y) in enumerate(zip(outs, others, strict=True))
+        if x.token_ids != y.token_ids
+    ]
+    assert not flips, f"(prompt, temperature, completion, first differing token): {flips}"
+    worst = worst_logprob_gap(model, prompts, first, TEMPERATURES)
     assert worst < 1e-3, worst
-    assert len({tuple(o.token_ids) for outs in with_graphs for o in outs}) == 32  # they really sample
+    assert len({tuple(o.token_ids) for outs in first for o in outs}) == 32  # they really sample
+    if not compile_decode:
+        _, eager = _generate(model, cuda_graphs=False)
+        worst = worst_logprob_gap(model, prompts, eager, TEMPERATURES)
+        assert worst < 1e-3, worst
 
 
 def test_the_decode_step_compiles_when_the_engine_is_built_not_in_the_first_rollout(model):
