@@ -28,7 +28,7 @@ from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
 from agentrl.models.compile_cache import use_compile_cache
 from agentrl.models.vision import apply_vision_tower_setting
 from agentrl.training.flops import device_peak_flops, mfu
-from agentrl.training.lora import adapters_disabled, apply_lora, is_lora_model
+from agentrl.training.lora import adapters_disabled, adapters_in_base_dtype, apply_lora, is_lora_model
 from agentrl.training.optim import build_lr_scheduler, build_optimizer
 from agentrl.training.parallel.distributed import all_reduce_sum, world_size
 from agentrl.training.parallel.fsdp import compute_device, shard_model
@@ -240,7 +240,10 @@ class PolicyWorker:
         from (old, reference and current policy alike, as verl's actor divides by the rollout temperature)."""
         compile_head = self.config.actor_rollout_ref.actor.use_torch_compile and self.device.type == "cuda"
         temperature = self.config.actor_rollout_ref.rollout.temperature
-        return compute_log_probs(model, batch, compile_head=compile_head, temperature=temperature, **kwargs)
+        with adapters_in_base_dtype(model):
+            return compute_log_probs(
+                model, batch, compile_head=compile_head, temperature=temperature, **kwargs
+            )
 
     @torch.no_grad()
     def compute_log_prob(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
