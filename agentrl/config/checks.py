@@ -257,6 +257,18 @@ def _check_val_sampling(cfg: AgentRLConfig) -> list[str]:
     return []
 
 
+def _check_bypass(cfg: AgentRLConfig) -> list[str]:
+    """rollout_correction.bypass_mode and tis_mode exclude each other: in bypass mode pi_old is pi_rollout."""
+    rc = cfg.algorithm.rollout_correction
+    if rc.bypass_mode and rc.tis_mode is not None:
+        return [
+            f"algorithm.rollout_correction.bypass_mode=true with tis_mode={rc.tis_mode}: in bypass mode the old "
+            f"policy is the engine's, so every weight pi_old / pi_rollout would be 1; set tis_mode=null or "
+            f"bypass_mode=false"
+        ]
+    return []
+
+
 def _check_train_temperature(cfg: AgentRLConfig) -> list[str]:
     """rollout.temperature > 0: the trainer divides its logits by it (the policy the engine sampled from)."""
     if cfg.actor_rollout_ref.rollout.temperature > 0.0:
@@ -295,6 +307,7 @@ CROSS_FIELD_CHECKS: tuple[Callable[[AgentRLConfig], list[str]], ...] = (
     _check_resource_pool,
     _check_val_sampling,
     _check_train_temperature,
+    _check_bypass,
     _check_sft_stop,
 )
 """Every cross-field rule, in the order problems are reported."""

@@ -80,6 +80,8 @@ class RolloutCorrectionConfig(_Section):
     """Off-policy correction: each token's policy-gradient loss is weighted by min(pi_old / pi_rollout, tis_cap), the engine's log-probs giving pi_rollout; `token` weighs each token, `sequence` each row by its tokens' product; null is off (docs/algorithms.md)."""
     tis_cap: float = Field(2.0, gt=0.0)
     """Truncation of the importance weight (tis_mode): a larger weight counts as tis_cap."""
+    bypass_mode: bool = False
+    """PPO's old policy is the engine's: the ratio is pi_theta / pi_rollout (the log-probs the engine recorded), clipped as usual, and the old-log-prob pass is skipped (verl's bypass mode). With asynchronous training each update is then clipped against the policy that sampled its tokens."""
 
 
 class AlgorithmConfig(_Section):

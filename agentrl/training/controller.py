@@ -442,6 +442,10 @@ class Controller:
         actor = cfg.actor_rollout_ref.actor
         one_mini = actor.ppo_mini_batch_size >= cfg.data.train_batch_size
         on_policy = actor.ppo_epochs == 1 and one_mini and not cfg.algorithm.use_kl_in_reward
+        if (
+            cfg.algorithm.rollout_correction.bypass_mode
+        ):  # pi_old is the engine's; the in-reward KL still needs ours
+            return cfg.algorithm.use_kl_in_reward
         # the behaviour weights of off-policy correction are pi_old / pi_rollout: they need pi_old before the update
         return not on_policy or cfg.algorithm.rollout_correction.tis_mode is not None
 

@@ -320,8 +320,10 @@ class PolicyWorker:
                 f"parameter {next(self.actor.parameters()).__class__.__name__} on "
                 f"{next(self.actor.parameters()).device}, compute device {compute_device(self.actor)}"
             )
-        # On-policy (one epoch, one mini-batch) the old policy is the current one: no separate forward.
-        old = micro.tensors.get("old_log_probs")
+        # On-policy (one epoch, one mini-batch) the old policy is the current one: no separate forward. In bypass
+        # mode it is the engine's (the ratio pi_theta / pi_rollout is clipped).
+        bypass = self.config.algorithm.rollout_correction.bypass_mode
+        old = micro.rollout_log_probs if bypass else micro.tensors.get("old_log_probs")
         weights = micro.tensors.get(BEHAVIOUR_WEIGHTS)
         if weights is None and self.config.algorithm.rollout_correction.tis_mode is not None:
             raise RuntimeError(
@@ -348,7 +350,9 @@ class PolicyWorker:
             "actor/ppo_ratio_mean": float(result.ratio_mean),
             "actor/entropy": entropy_loss.item(),
         }
-        if old is None:  # the gap the skipped old-log-prob pass would have measured (engine vs trainer)
+        if (
+            old is None or bypass
+        ):  # the gap the skipped old-log-prob pass would have measured (engine vs trainer)
             stats.update(
                 _rollout_logprob_gap(log_probs.detach(), micro.rollout_log_probs.to(self.device), mask)
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -269,3 +270,23 @@ def test_old_log_probs_are_the_engines_at_the_rollout_temperature(shared_worker,
 
     torch.testing.assert_close(old_log_probs(0.7), sampled, atol=1e-4, rtol=0)
     assert (old_log_probs(1.0) - sampled).abs().max() > 1e-2  # the untempered policy is another one
+
+
+def test_bypass_mode_clips_the_ratio_against_the_engines_log_probs(shared_worker, monkeypatch):
+    """algorithm.rollout_correction.bypass_mode: PPO's old policy is the engine's. Tokens the engine gave 1 nat
+    less than the trainer does have ratio e: clipped where the advantage is positive, and the ratio's mean
+    says so; without bypass the same batch's ratio is 1 (the old policy is the current one)."""
+    worker = shared_worker
+    batch = _batch(worker.tokenizer_pad_id())
+    current = worker.compute_log_prob(batch)["old_log_probs"]
+    batch.rollout_log_probs = torch.where(batch.response_mask.bool(), current - 1.0, 0.0)
+
+    def ratio_and_clip(bypass: bool) -> tuple[float, float]:
+        monkeypatch.setattr(worker.config.algorithm.rollout_correction, "bypass_mode", bypass)
+        metrics = worker.update_actor(batch)
+        return metrics["actor/ppo_ratio_mean"], metrics["actor/pg_clipfrac"]
+
+    ratio, clipped = ratio_and_clip(True)  # the ratio is taken before the step moves the weights
+    assert abs(ratio - math.e) < 1e-3 and clipped > 0.3  # half the rows have positive advantages
+    ratio, clipped = ratio_and_clip(False)
+    assert abs(ratio - 1.0) < 1e-4 and clipped == 0.0
