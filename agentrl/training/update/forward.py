@@ -16,7 +16,7 @@ whole-logits path.
 The logits are divided by the rollout temperature before every statistic: the engine sampled from
 softmax(z / T) and reports that distribution's logprobs, so the trained, old and reference policies are the
 tempered one, as in verl's actor and TRL's GRPOTrainer. Training the untempered policy on tempered samples
-under-samples its tail, which then grows unseen (the tool-agent cookbook's entropy rose to a uniform policy's).
+under-samples its tail, which then grows unseen (docs/algorithms.md).
 """
 
 from __future__ import annotations
