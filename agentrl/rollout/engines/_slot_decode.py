@@ -103,14 +103,47 @@ def slot_decode_unsupported(model: torch.nn.Module) -> str | None:
         return "the model uses sliding-window attention"
     rope = getattr(cfg, "rope_scaling", None) or getattr(cfg, "rope_parameters", None) or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    mrope = isinstance(rope, dict) and "mrope_section" in rope
-    if rope_type not in _STATIC_ROPE_TYPES or (mrope and name not in MROPE_ARCHITECTURES):
+    if rope_type not in _STATIC_ROPE_TYPES or (_mrope(model) and name not in MROPE_ARCHITECTURES):
         return f"rope type {rope_type!r} is not position-independent"
     inner = text_model(model) if hasattr(model, "model") else None
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if inner is None or not all(hasattr(inner, attr) for attr in needed):
         return f"{name} lacks model.{{{', '.join(needed)}}}"
     return None
+
+
+def _mrope(model: torch.nn.Module) -> dict | None:
+    """The text config's rope parameters when they hold multimodal sections (`mrope_section`), else None."""
+    cfg = text_config(model)
+    rope = getattr(cfg, "rope_scaling", None) or getattr(cfg, "rope_parameters", None) or {}
+    return rope if isinstance(rope, dict) and "mrope_section" in rope else None
+
+
+def _rotary(model: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor):
+    """cos, sin (..., D) of the model's rotary embedding at `positions`: text positions shaped like `hidden`'s
+    leading dims, or an image prompt's multimodal positions (3, ...).
+
+    A multimodal (mrope) rotary always gets its three components (text positions broadcast: all three equal),
+    the layout every transformers release accepts. transformers 5.24's Qwen2-VL rotary then mixes the sections
+    itself; 5.17's (the GPU image's) returns them unmixed, (3, ..., D), and leaves the mixing to its attention:
+    it is done here then, section by section as that attention does (component i % 3 for the i-th section of
+    mrope_section repeated twice, the two rotated halves)."""
+    inner = text_model(model)
+    mrope = _mrope(model)
+    if mrope is None:
+        return inner.rotary_emb(hidden, positions)
+    if positions.dim() == hidden.dim() - 1:
+        positions = positions.unsqueeze(0).expand(3, *positions.shape)
+    cos, sin = inner.rotary_emb(hidden, positions)
+    if cos.dim() == positions.dim() + 1:  # (3, ..., D): unmixed
+        if mrope.get("mrope_interleaved"):
+            raise NotImplementedError("an interleaved mrope rotary that returns unmixed components")
+        sections = list(mrope["mrope_section"]) * 2
+        cos, sin = (
+            torch.cat([part[i % 3] for i, part in enumerate(t.split(sections, dim=-1))], dim=-1)
+            for t in (cos, sin)
+        )
+    return cos, sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -159,7 +192,7 @@ def decode_step(
     shape = KVShape.of(model)
     hidden = inner.embed_tokens(token_ids.unsqueeze(1))  # (b, 1, H)
     rope = positions if rope_offsets is None else positions + rope_offsets
-    cos, sin = inner.rotary_emb(hidden, rope.unsqueeze(1))  # (b, 1, D)
+    cos, sin = _rotary(model, hidden, rope.unsqueeze(1))  # (b, 1, D)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     slots = torch.arange(batch, device=token_ids.device)
     length = keys[0].shape[2] if span is None else span
@@ -233,7 +266,7 @@ def prefill_slots(
     if vision is not None:
         hidden[0, vision.mask] = vision.embeds.to(hidden.dtype)
         rope = vision.rope_positions.unsqueeze(1)  # (3, 1, N)
-    cos, sin = inner.rotary_emb(hidden, rope)  # (1, N, D)
+    cos, sin = _rotary(model, hidden, rope)  # (1, N, D)
     cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # (N, 1, D)
     for index, layer in enumerate(inner.layers):
         attn = layer.self_attn
@@ -295,7 +328,7 @@ def extend_step(
     length = span
     hidden = inner.embed_tokens(token_ids)  # (R, W, H)
     rope = positions if rope_offsets is None else positions + rope_offsets.unsqueeze(1)
-    cos, sin = inner.rotary_emb(hidden, rope)  # (R, W, D)
+    cos, sin = _rotary(model, hidden, rope)  # (R, W, D)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     visible = torch.arange(length, device=token_ids.device).view(1, 1, length) <= positions.unsqueeze(2)
     mask = visible.unsqueeze(1).expand(rows, groups, width, length).reshape(rows, 1, groups * width, length)

@@ -63,3 +63,38 @@ def test_prefill_then_extend_then_decode_equal_one_forward(model, extend_with):
         logits = decode_step(model, keys, values, ids, positions, span=max(at) + step + 1)
         for i, row in enumerate(rows):
             torch.testing.assert_close(logits[i], _reference(model, row)[at[i] + step], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("spec", ["tiny:qwen2-vl"])
+def test_an_unmixed_mrope_rotary_is_mixed_as_older_transformers_attention_does(monkeypatch, spec):
+    """transformers 5.17 (the GPU image's) returns Qwen2-VL's rotary cos/sin per mrope component, (3, ..., D),
+    and mixes them in the attention; 5.24 mixes them in the rotary. `_rotary` gives the same mixed (..., D)
+    either way, for text positions and for an image prompt's distinct (t, h, w) positions."""
+    from agentrl.models import load_causal_lm
+    from agentrl.rollout.engines._slot_decode import _rotary, text_model
+
+    model = load_causal_lm(spec)
+    hidden = torch.zeros(2, 5, text_model(model).embed_tokens.embedding_dim)
+    text = torch.arange(10).view(2, 5)
+    image = torch.stack([torch.arange(5), torch.tensor([0, 1, 1, 2, 3]), torch.tensor([0, 1, 2, 2, 4])]).view(
+        3, 1, 5
+    )
+    expected = [_rotary(model, hidden, text), _rotary(model, hidden[:1], image)]
+    rotary = type(text_model(model).rotary_emb)
+    monkeypatch.setattr(
+        rotary, "recomposition_frequencies", lambda _self, freqs: torch.cat((freqs, freqs), dim=-1)
+    )
+    assert text_model(model).rotary_emb(hidden, text.expand(3, 2, 5))[0].shape == (
+        3,
+        2,
+        5,
+        model.config.text_config.hidden_size // model.config.text_config.num_attention_heads,
+    )
+    got = [_rotary(model, hidden, text), _rotary(model, hidden[:1], image)]
+    for (cos, sin), (want_cos, want_sin) in zip(got, expected, strict=True):
+        torch.testing.assert_close(cos, want_cos)
+        torch.testing.assert_close(sin, want_sin)
+    as_text = _rotary(model, hidden[:1], torch.arange(5).view(1, 5))[0]
+    assert not torch.allclose(
+        expected[1][0], as_text
+    )  # the image's (t, h, w) positions really differ from text
