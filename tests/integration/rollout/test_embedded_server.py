@@ -68,7 +68,8 @@ def test_chat_returns_token_ids_and_exact_logprobs(server, model, tokenizer):
         assert all(len(e.top_logprobs) == 3 for e in choice.logprobs.content)
         with torch.no_grad():
             logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
-        reference = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+        # sampled at temperature 0.9: the logprobs are of softmax(logits / 0.9), the policy the trainer trains
+        reference = torch.log_softmax(logits / 0.9, -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
         served = torch.tensor([e.logprob for e in choice.logprobs.content])
         assert (reference - served).abs().max().item() < 1e-4
     assert reply.choices[0].model_extra["token_ids"] != reply.choices[1].model_extra["token_ids"]
