@@ -347,6 +347,15 @@ class Controller:
         run_ahead = self.config.async_training
         if not (run_ahead.enable and run_ahead.staleness_threshold > 0):
             return None
+        correction = self.config.algorithm.rollout_correction
+        if not correction.bypass_mode and correction.tis_mode is None:
+            log.warning(
+                "async_training.staleness_threshold=%d trains tokens sampled by older weights with nothing to "
+                "bound the lag: set algorithm.rollout_correction.bypass_mode=true (PPO clipped against the "
+                "engine's log-probs; the tool-agent cookbook collapsed without it and kept learning with it, "
+                "docs/async.md)",
+                run_ahead.staleness_threshold,
+            )
         self._requested_through = self.global_step
         return RolloutPipeline(self.collect_training_episodes, partial_rollout=run_ahead.partial_rollout)
 

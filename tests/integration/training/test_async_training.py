@@ -66,7 +66,7 @@ def _train(run_dir: Path, rows, *extra: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("partial_rollout", [True, False])
-def test_rollouts_run_ahead_by_at_most_the_staleness_threshold(tmp_path: Path, rows, partial_rollout):
+def test_rollouts_run_ahead_by_at_most_the_staleness_threshold(tmp_path: Path, rows, partial_rollout, caplog):
     history = _train(
         tmp_path / "run",
         rows,
@@ -86,6 +86,7 @@ def test_rollouts_run_ahead_by_at_most_the_staleness_threshold(tmp_path: Path, r
         for step in trajectory["steps"]
     ]
     assert versions and all(isinstance(v, int) for v in versions)
+    assert "set algorithm.rollout_correction.bypass_mode=true" in caplog.text  # nothing bounds the lag: said
     if not partial_rollout:  # weights change only between batches: one version per step's episodes
         for step_number in (2, 3, 4):
             seen = {
@@ -122,3 +123,20 @@ def test_stale_batches_train_with_truncated_importance_weights(tmp_path: Path, r
         assert math.isfinite(record["rollout_corr/kl_k3"]) and math.isfinite(record["actor/pg_loss"])
     # Weights changed between the engine's sampling and the update: the stale tokens' ratios are not all 1.
     assert max(abs(r["rollout_corr/log_ratio_mean"]) for r in history) > 1e-6
+
+
+def test_bypass_mode_clips_stale_batches_against_the_engines_log_probs(tmp_path: Path, rows, caplog):
+    """With bypass_mode the old policy is the engine's: on a stale batch the ratio pi_theta / pi_rollout at the
+    start of the update is not 1 (the weights moved since sampling), and the lag is measured every step."""
+    history = _train(
+        tmp_path / "run",
+        rows,
+        "async_training.enable=true",
+        "async_training.staleness_threshold=1",
+        "algorithm.rollout_correction.bypass_mode=true",
+    )
+    assert max(r["async/staleness_max"] for r in history) == 1.0
+    stale = [r for r in history if r["async/staleness_max"] > 0]
+    assert stale and max(abs(r["actor/ppo_ratio_mean"] - 1.0) for r in stale) > 1e-4
+    assert all(math.isfinite(r["rollout_corr/kl_k3"]) for r in history)
+    assert "bypass_mode=true" not in caplog.text

@@ -125,7 +125,10 @@ from agentrl.config import validate_config
             ["actor_rollout_ref.rollout.val_kwargs.n=4 with do_sample=false"],
         ),
         (
-            {"algorithm.rollout_correction.bypass_mode": True, "algorithm.rollout_correction.tis_mode": "token"},
+            {
+                "algorithm.rollout_correction.bypass_mode": True,
+                "algorithm.rollout_correction.tis_mode": "token",
+            },
             ["algorithm.rollout_correction.bypass_mode=true with tis_mode=token", "set tis_mode=null"],
         ),
         (
