@@ -96,7 +96,7 @@ def test_the_decode_step_compiles_when_the_engine_is_built_not_in_the_first_roll
     H100 host timed out every episode of step 1). Built from a cold compiler, the engine compiles at once and
     frees the cache it used; the first request then only captures a graph."""
     torch._dynamo.reset()
-    _slot_batch._COMPILED = None
+    _slot_batch._COMPILED.clear()
     start = time.perf_counter()
     engine = EmbeddedEngine(
         model,

@@ -26,6 +26,7 @@ they are dropped whenever either may have moved (growth, `clear`, weight loads, 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import threading
@@ -39,7 +40,16 @@ import torch
 from agentrl.models.compile_cache import use_compile_cache
 from agentrl.rollout.engines._prefix_cache import PrefixCache, shared_prefixes
 from agentrl.rollout.engines._sampling import as_int64, policy_logprob, sample_on_device
-from agentrl.rollout.engines._slot_decode import KVShape, decode_step, extend_step, prefill_slots, text_config
+from agentrl.rollout.engines._slot_decode import (
+    DecodeRegions,
+    KVShape,
+    decode_inputs,
+    decode_layer,
+    decode_step,
+    extend_step,
+    prefill_slots,
+    text_config,
+)
 from agentrl.rollout.engines.vision import (
     ImageInputs,
     ImagePrefill,
@@ -82,15 +92,21 @@ def _next_power_of_two(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
 
 
-_COMPILED = None
+_COMPILED: dict[Any, Callable[..., torch.Tensor]] = {}
 
 
-def _compiled_decode_step():
-    """One compiled `decode_step` per process, symbolic in the batch and cache sizes (no recompile per bucket)."""
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(decode_step.__wrapped__, dynamic=True)  # the caller holds inference_mode
-    return _COMPILED
+def compiled_decode_step(backend: Any = "inductor") -> Callable[..., torch.Tensor]:
+    """`decode_step` with its inputs and each decoder layer run through torch.compile, once per process and
+    backend, symbolic in the batch and cache sizes (no recompile per bucket). One layer is traced and its graph
+    serves every layer (same code; the weights are graph inputs): the whole step traced as one graph took 33-81
+    s at every start of a 24-layer model, Inductor's cache warm or not (`benchmarks/decode_compile.py`)."""
+    if backend not in _COMPILED:
+        regions = DecodeRegions(
+            torch.compile(decode_inputs, dynamic=True, backend=backend),
+            torch.compile(decode_layer, dynamic=True, backend=backend),
+        )
+        _COMPILED[backend] = functools.partial(decode_step, regions=regions)
+    return _COMPILED[backend]
 
 
 @dataclass
@@ -148,7 +164,7 @@ class SlotBatch:
         self._decode_step = decode_step
         if compile_decode and self.cuda_graphs:
             use_compile_cache(model.config, next(model.parameters()).dtype, self.device)
-            self._decode_step = _compiled_decode_step()
+            self._decode_step = compiled_decode_step()
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0

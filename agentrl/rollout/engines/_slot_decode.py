@@ -24,7 +24,9 @@ offset (transformers' `rope_deltas`): decode and extend steps take that one inte
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -170,6 +172,35 @@ def _heads(projected: torch.Tensor, head_dim: int, norm: torch.nn.Module | None)
     return states.transpose(1, 2)
 
 
+def decode_inputs(
+    model: torch.nn.Module,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    rope_offsets: torch.Tensor | None,
+    length: int,
+) -> tuple[torch.Tensor, ...]:
+    """What every layer of `decode_step` reads: the embedded tokens (b, 1, H), them through the first layer's
+    input norm, the rotary cos and sin (b, 1, 1, D) and the attention mask over `length` cache positions."""
+    inner = text_model(model)
+    batch = token_ids.shape[0]
+    hidden = inner.embed_tokens(token_ids.unsqueeze(1))
+    rope = positions if rope_offsets is None else positions + rope_offsets
+    cos, sin = _rotary(model, hidden, rope.unsqueeze(1))  # (b, 1, D)
+    visible = (torch.arange(length, device=token_ids.device).unsqueeze(0) <= positions.unsqueeze(1)).view(
+        batch, 1, 1, length
+    )
+    x = inner.layers[0].input_layernorm(hidden)
+    return hidden, x, cos.unsqueeze(1), sin.unsqueeze(1), _attention_mask(visible, hidden.dtype)
+
+
+class DecodeRegions(NamedTuple):
+    """The two pieces `decode_step` runs: its inputs (`decode_inputs`) and each decoder layer (`decode_layer`),
+    as plain functions or each compiled once (`compiled_decode_step`)."""
+
+    inputs: Callable[..., tuple[torch.Tensor, ...]]
+    layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
 @torch.inference_mode()
 def decode_step(
     model: torch.nn.Module,
@@ -179,6 +210,7 @@ def decode_step(
     positions: torch.Tensor,
     rope_offsets: torch.Tensor | None = None,
     span: int | None = None,
+    regions: DecodeRegions | None = None,
 ) -> torch.Tensor:
     """Feed token_ids[i] at positions[i] of slot i (i < b); write its keys and values; return logits (b, V).
 
@@ -186,40 +218,62 @@ def decode_step(
     `rope_offsets` (b,) long: the rotary position is positions[i] + rope_offsets[i] (a multimodal sequence's
     offset after its images; broadcast to the three mrope components). `span`: attention reads only cache
     positions 0..span-1, which must hold every running row's position (idle slots write past it, unread).
+    `regions`: the functions that run its parts (default: the plain ones).
     """
-    inner = text_model(model)
-    batch = token_ids.shape[0]
-    shape = KVShape.of(model)
-    hidden = inner.embed_tokens(token_ids.unsqueeze(1))  # (b, 1, H)
-    rope = positions if rope_offsets is None else positions + rope_offsets
-    cos, sin = _rotary(model, hidden, rope.unsqueeze(1))  # (b, 1, D)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    slots = torch.arange(batch, device=token_ids.device)
+    regions = regions or PLAIN_REGIONS
     length = keys[0].shape[2] if span is None else span
-    visible = (torch.arange(length, device=token_ids.device).unsqueeze(0) <= positions.unsqueeze(1)).view(
-        batch, 1, 1, length
-    )
-    visible = _attention_mask(visible, hidden.dtype)
-    for index, layer in enumerate(inner.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        q = _rotate(_heads(attn.q_proj(x), shape.head_dim, getattr(attn, "q_norm", None)), cos, sin)
-        k = _rotate(_heads(attn.k_proj(x), shape.head_dim, getattr(attn, "k_norm", None)), cos, sin)
-        v = _heads(attn.v_proj(x), shape.head_dim, None)
-        keys[index][slots, :, positions] = k[:, :, 0]
-        values[index][slots, :, positions] = v[:, :, 0]
-        # Grouped-query attention without repeating keys: a kv head's query heads act as its query rows.
-        grouped = q.reshape(batch, shape.kv_heads, -1, shape.head_dim)
-        out = F.scaled_dot_product_attention(
-            grouped,
-            keys[index][:batch, :, :length],
-            values[index][:batch, :, :length],
-            attn_mask=visible,
-            scale=attn.scaling,
+    hidden, x, cos, sin, visible = regions.inputs(model, token_ids, positions, rope_offsets, length)
+    head_dim = KVShape.of(model).head_dim
+    inner = text_model(model)
+    layers = inner.layers
+    for index, layer in enumerate(layers):
+        following = layers[index + 1].input_layernorm if index + 1 < len(layers) else inner.norm
+        hidden, x = regions.layer(
+            layer, following, hidden, x, cos, sin, keys[index], values[index], positions, visible, head_dim
         )
-        hidden = hidden + attn.o_proj(out.reshape(batch, 1, -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return model.lm_head(inner.norm(hidden))[:, 0]
+    return model.lm_head(x)[:, 0]
+
+
+def decode_layer(
+    layer: torch.nn.Module,
+    following_norm: torch.nn.Module,
+    hidden: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    visible: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer of `decode_step`: `x` is `hidden` after the layer's input norm. Writes the rows' keys
+    and values into this layer's cache at their positions, attends over the first `visible.shape[-1]`
+    positions; returns the residual stream (b, 1, H) and it through `following_norm` (the next layer's input
+    norm, or the final norm), so the residual add and the next norm stay one fused kernel when compiled.
+
+    A function of its own so that torch.compile traces one layer and reuses it for all (every layer has the
+    same code; the layer's weights are inputs of the compiled graph): tracing a 24-layer step took 33-71 s in
+    every process (`benchmarks/decode_compile.py`)."""
+    attn = layer.self_attn
+    batch, length = hidden.shape[0], visible.shape[-1]
+    q = _rotate(_heads(attn.q_proj(x), head_dim, getattr(attn, "q_norm", None)), cos, sin)
+    k = _rotate(_heads(attn.k_proj(x), head_dim, getattr(attn, "k_norm", None)), cos, sin)
+    v = _heads(attn.v_proj(x), head_dim, None)
+    slots = torch.arange(batch, device=hidden.device)
+    keys[slots, :, positions] = k[:, :, 0]
+    values[slots, :, positions] = v[:, :, 0]
+    # Grouped-query attention without repeating keys: a kv head's query heads act as its query rows.
+    grouped = q.reshape(batch, keys.shape[1], -1, head_dim)
+    out = F.scaled_dot_product_attention(
+        grouped, keys[:batch, :, :length], values[:batch, :, :length], attn_mask=visible, scale=attn.scaling
+    )
+    hidden = hidden + attn.o_proj(out.reshape(batch, 1, -1))
+    hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return hidden, following_norm(hidden)
+
+
+PLAIN_REGIONS = DecodeRegions(decode_inputs, decode_layer)
 
 
 @torch.inference_mode()
