@@ -5,6 +5,7 @@ hundred. This times each path on its own (no scheduler, no HTTP), as tokens comp
 
     python benchmarks/prefill_speed.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16 --device cuda
     python benchmarks/prefill_speed.py --model tiny:qwen2 --dtype float32 --device cpu --history 128
+    python benchmarks/prefill_speed.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16 --device cuda --compile
 
 - `extend`: R rows x W new tokens each over `--history` cached positions (`extend_step`, a CUDA graph on CUDA);
 - `packed`: R prompts of `--prompt` tokens from scratch (`prefill_slots`, eager);
@@ -42,11 +43,19 @@ def main() -> None:
     p.add_argument("--history", type=int, default=1024)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument(
+        "--compile", action="store_true", help="compile the decode step, as the engine does by default (compile_decode)"
+    )
     args = p.parse_args()
     model = load_causal_lm(args.model, dtype=args.dtype, device=args.device).eval()
     batch = SlotBatch(
-        model, max_slots=128, max_model_len=args.history + 512, cuda_graphs=args.device == "cuda"
+        model,
+        max_slots=128,
+        max_model_len=args.history + 512,
+        cuda_graphs=args.device == "cuda",
+        compile_decode=args.compile,
     )
+    print(f"compiled in {batch.compile_now():.1f} s" if args.compile else "steps not compiled")
     vocab = model.config.vocab_size
     print(f"{args.model} {args.dtype} on {args.device}; history {args.history}, prompt {args.prompt}")
     print("| path | rows | tokens each | ms | tokens/s |\n| --- | ---: | ---: | ---: | ---: |")
@@ -82,7 +91,8 @@ def _extend_once(batch: SlotBatch, slots: list[int], width: int, history: int, v
     slot_ids[:rows] = torch.tensor(slots)
     last = torch.full((tokens.shape[0],), width - 1, dtype=torch.long)
     span = max(256, 1 << (history + width - 1).bit_length())
-    batch._extend_call(tokens, positions, slot_ids, last, min(span, batch.length))
+    offsets = torch.zeros(tokens.shape[0], dtype=torch.long)
+    batch._extend_call(tokens, positions, slot_ids, last, min(span, batch.length), offsets)
 
 
 if __name__ == "__main__":

@@ -185,7 +185,7 @@ class RolloutConfig(_Section):
     enforce_eager: bool = False
     """Decode without CUDA graphs (the embedded engine captures one per batch bucket on CUDA)."""
     compile_decode: bool = True
-    """torch.compile the embedded engine's decode step before capturing its CUDA graphs (fuses its small kernels; compiles once, when the engine is built; falls back to the plain step if compilation fails)."""
+    """torch.compile the embedded engine's decode step before capturing its CUDA graphs (fuses its small kernels; one decoder layer is compiled and reused for every layer, once, when the engine is built: ~15 s for a 24-layer model; falls back to the plain step if compilation fails)."""
     draw_on_device: bool = True
     """Embedded engine, slot path: draw plain rows' tokens on the device and launch each decode step before the previous step's tokens reach the host (false: read every step's tokens first)."""
     enable_prefix_caching: bool = True
