@@ -116,3 +116,45 @@ def test_the_decode_step_compiles_when_the_engine_is_built_not_in_the_first_roll
         assert 0 < capture < built / 4, (capture, built)
     finally:
         engine.close()
+
+
+def test_graphs_survive_an_in_place_weight_update_and_replay_the_new_weights():
+    """An optimizer step writes the hybrid engine's shared weights in place: the captured graphs are kept (a
+    graph reads its weights by address) and replay the new values, as a teacher-forced forward of the new
+    weights shows. A weight that moved to new memory drops them, and they are captured again."""
+    model = load_causal_lm(SHAPE, dtype="float32", device="cuda").eval()
+    engine = EmbeddedEngine(
+        model, load_tokenizer(SHAPE), max_num_seqs=32, max_model_len=512, cuda_graphs=True
+    )
+    prompts = [[(13 * p + 3 * i) % 5000 + 10 for i in range(24 + 5 * p)] for p in range(4)]
+    params = SamplingParams(temperature=1.0, max_tokens=24, n=2, seed=5, ignore_eos=True)
+
+    def generate():
+        async def run():
+            return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+
+        return asyncio.run(run())
+
+    try:
+        before = generate()
+        graphs = dict(engine._batch._graphs)
+        assert graphs
+        with torch.no_grad():
+            model.model.norm.weight.mul_(1.5)
+            model.model.layers[3].mlp.up_proj.weight.add_(
+                0.05 * torch.randn_like(model.model.layers[3].mlp.up_proj.weight)
+            )
+        engine.mark_weights_updated()
+        assert engine._batch._graphs == graphs, "an in-place update dropped the graphs"
+        after = generate()
+        assert [o.token_ids for outs in after for o in outs] != [o.token_ids for outs in before for o in outs]
+        assert worst_logprob_gap(model, prompts, after) < 1e-3  # the replays read the new weights
+        moved = model.model.layers[5].self_attn.o_proj
+        moved.weight.data = moved.weight.data.clone()
+        engine.mark_weights_updated()
+        assert not engine._batch._graphs, "a moved weight kept graphs that read its old memory"
+        again = generate()
+        assert engine._batch._graphs
+        assert worst_logprob_gap(model, prompts, again) < 1e-3
+    finally:
+        engine.close()

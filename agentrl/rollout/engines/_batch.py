@@ -189,3 +189,6 @@ class DynamicBatch:
 
     def drop_graphs(self) -> None:
         """Nothing is captured on this path."""
+
+    def weights_changed(self) -> None:
+        """Nothing is captured on this path."""

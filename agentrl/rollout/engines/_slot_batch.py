@@ -50,6 +50,7 @@ from agentrl.rollout.engines._slot_decode import (
     prefill_slots,
     text_config,
 )
+from agentrl.rollout.engines._staging import PinnedStaging
 from agentrl.rollout.engines.vision import (
     ImageInputs,
     ImagePrefill,
@@ -86,6 +87,14 @@ class _AdmissionPlan:
     """(parked slot, new slot, tokens) prefixes copied before the prefill."""
     sources: set[int] = field(default_factory=set)
     """Parked slots copied from: evicted for a new row only when no other parked slot is left."""
+
+
+def weight_layout(model: torch.nn.Module) -> tuple:
+    """Where each parameter and buffer lives (address, dtype, shape, strides), in a fixed order: equal
+    before and after an update exactly when the update wrote every tensor in place."""
+    return tuple(
+        (t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in (*model.parameters(), *model.buffers())
+    )
 
 
 def _next_power_of_two(value: int) -> int:
@@ -192,11 +201,14 @@ class SlotBatch:
             int | tuple[int, tuple[bool, bool]], tuple[torch.cuda.CUDAGraph, torch.Tensor]
         ] = {}
         self._graph_pool = None
+        self._graph_weights: tuple | None = None
+        """`weight_layout` of the model when the graphs in `_graphs` were captured."""
         self._largest_logged = 0
         self.prefix_caching = prefix_caching
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefixes = PrefixCache()
         self._extend_inputs: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._staging = PinnedStaging(self.device)
         self._groups = text_config(model).num_attention_heads // self.shape.kv_heads
         self.counters = dict.fromkeys(
             ("prompt_tokens", "prefix_hit_tokens", "prefill_tokens", "prefill_forwards", "prefill_s"), 0
@@ -567,6 +579,16 @@ class SlotBatch:
         """Forget captured graphs: the weights or the cache they point at may have moved."""
         self._graphs.clear()
         self._graph_pool = None
+        self._graph_weights = None
+
+    def weights_changed(self) -> None:
+        """The weights were written: keep the graphs when every weight tensor is still where they were
+        captured (updated in place: the hybrid engine's shared weights after an optimizer step,
+        `load_weights_in_place`, a LoRA merge), else drop them. A graph reads its weights by address, so it
+        replays the new values; re-capturing every graph after each update cost ~1 s a step of the 8-turn
+        agent workload whenever the cache stayed allocated (`free_cache_engine=false`, asynchronous training)."""
+        if self._graph_weights is not None and self._graph_weights != weight_layout(self.model):
+            self.drop_graphs()
 
     # ----- decoding --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -590,14 +612,14 @@ class SlotBatch:
         target.index_copy_(0, self._to_device(slots), self._to_device(values, target.dtype))
 
     def _to_device(self, values: list | torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        """`values` on the engine's device without waiting for it: on CUDA through pinned host memory and an
-        asynchronous copy. A plain `torch.tensor(..., device=cuda)` copies from pageable memory, which waits
+        """`values` on the engine's device without waiting for it: on CUDA through a reused pinned buffer and an
+        asynchronous copy (`PinnedStaging`). A plain `torch.tensor(..., device=cuda)` copies from pageable memory, which waits
         for every kernel queued before it: each retired row then stalled the host until the decode step
         launched one step ahead had finished, and the host could no longer prepare the next step meanwhile."""
         host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
         if self.device.type != "cuda":
             return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return self._staging.to_device(host)
 
     # ----- decoding without a host round trip ------------------------------------------------------
     def load_rows(self, start: int, sampling: SlotSampling, tokens: list[int] | None = None) -> None:
@@ -676,10 +698,7 @@ class SlotBatch:
     def _to_host(self, results: torch.Tensor, slots: list[int]) -> DeviceDraw:
         if self.device.type != "cuda":
             return DeviceDraw(slots, results, None)
-        host = torch.empty(results.shape, dtype=results.dtype, pin_memory=True)
-        host.copy_(results, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
+        host, ready = self._staging.to_host(results)
         return DeviceDraw(slots, host, ready)
 
     def _step(self, bucket: int) -> torch.Tensor:
@@ -734,6 +753,8 @@ class SlotBatch:
         start = time.perf_counter()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
+        if not self._graphs:
+            self._graph_weights = weight_layout(self.model)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -648,7 +648,7 @@ class EmbeddedEngine:
         steps; returns the new policy version."""
         with self._between_steps():
             load_weights_in_place(self.model, weights)
-            self._batch.drop_graphs()
+            self._batch.weights_changed()
             self._batch.forget_prefixes()
             self._lora.forget_base()
             self.policy_version += 1
@@ -662,7 +662,7 @@ class EmbeddedEngine:
         """
         with self._between_steps():
             self._lora.merge(self.model, name, path)
-            self._batch.drop_graphs()
+            self._batch.weights_changed()
             self._batch.forget_prefixes()
             self.policy_version += 1
             return self.policy_version
@@ -679,7 +679,7 @@ class EmbeddedEngine:
         cache) and apply dropout: the engine puts it back in eval mode."""
         with self._between_steps():
             self.model.eval()
-            self._batch.drop_graphs()
+            self._batch.weights_changed()
             self._batch.forget_prefixes()
             self.policy_version += 1
             return self.policy_version

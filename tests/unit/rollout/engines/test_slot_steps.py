@@ -5,6 +5,7 @@ engine extends through the packed prefill, so `extend_step` (the CUDA-graph path
 import pytest
 import torch
 
+from agentrl.rollout.engines._slot_batch import weight_layout
 from agentrl.rollout.engines._slot_decode import KVShape, decode_step, extend_step, prefill_slots
 from tests._random_qwen2 import random_qwen2
 
@@ -98,3 +99,17 @@ def test_an_unmixed_mrope_rotary_is_mixed_as_older_transformers_attention_does(m
     assert not torch.allclose(
         expected[1][0], as_text
     )  # the image's (t, h, w) positions really differ from text
+
+
+def test_weight_layout_changes_only_when_a_weight_moves():
+    """What decides whether the engine's CUDA graphs survive a weight update: an in-place write keeps the
+    layout, a tensor given new memory (or a new shape) changes it."""
+    model = random_qwen2(vocab_size=80)
+    before = weight_layout(model)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    assert weight_layout(model) == before
+    layer = model.model.layers[0].mlp.up_proj
+    layer.weight.data = layer.weight.data.clone()
+    assert weight_layout(model) != before
