@@ -251,22 +251,28 @@ def now() -> int:
 
 
 class TokenText:
-    """Token id -> its text as OpenAI logprobs show it (`token`, `bytes`), cached per id."""
+    """Token id -> its text as OpenAI logprobs show it (`token`, `bytes`), cached per id.
+
+    Every answer's logprobs repeat the same few thousand ids: the `bytes` list of an id is built once and
+    shared by every entry that shows it (entries are serialized, never changed in place)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def _known(self, token_id: int) -> tuple[str, list[int]]:
+        known = self._cache.get(token_id)
+        if known is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            known = self._cache[token_id] = (text, list(text.encode("utf-8")))
+        return known
 
     def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-            self._cache[token_id] = text
-        return text
+        return self._known(token_id)[0]
 
     def entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        text, raw = self._known(token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
 
 
 def build_chat_logprobs(
@@ -276,8 +282,7 @@ def build_chat_logprobs(
     content = []
     for j, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=True)):
         entry = token_text.entry(token_id, logprob)
-        top = tops[j] if tops else {}
-        entry["top_logprobs"] = [token_text.entry(t, lp) for t, lp in top.items()]
+        entry["top_logprobs"] = [token_text.entry(t, lp) for t, lp in tops[j].items()] if tops else []
         content.append(entry)
     return {"content": content}
 
