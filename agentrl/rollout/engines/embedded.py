@@ -324,15 +324,17 @@ class EmbeddedEngine:
 
         Each admission is one prefill forward (tens of ms on GPU, launch-bound whatever its size) that also
         stalls every running row, and the requests of a rollout arrive as a burst over a fraction of a
-        second: admitting as they came made one prefill per arrival. Requests are admitted together when
-        they would fill every free slot; on an idle engine once the arrivals pause (`ARRIVALS_QUIET_S`) or the
-        first has waited `IDLE_ADMISSION_WINDOW_S`; while rows run, once they number
-        `ADMIT_SHARE_OF_RUNNING` of the running rows (at least `ADMIT_MIN_SEQS`) or the oldest has waited
-        `ADMISSION_WINDOW_S` (agents' next turns arrive one by one as their tools return: a pause says
-        nothing there).
+        second: admitting as they came made one prefill per arrival. On an idle engine requests are admitted
+        together once they would fill every free slot, the arrivals pause (`ARRIVALS_QUIET_S`) or the first
+        has waited `IDLE_ADMISSION_WINDOW_S`; while rows run, once they number `ADMIT_SHARE_OF_RUNNING` of the
+        running rows (at least `ADMIT_MIN_SEQS`) or the oldest has waited `ADMISSION_WINDOW_S` (agents' next
+        turns arrive one by one as their tools return: a pause says nothing there). Filling the free slots
+        does not count while rows run: with `max_num_seqs` equal to the episodes, every free slot is an
+        episode between turns, so each next turn filled them as it came (~290 prefills of ~3 turns a step of
+        the 8-turn benchmark on an H100; ~100 without the rule, generation 8.2-9.5 s -> 7.3 s).
         """
         waiting = sum(len(seqs) for _, seqs in self._waiting)
-        if not self._waiting or waiting >= free:
+        if not self._waiting or (waiting >= free and not self._rows):
             return None
         now = time.monotonic()
         if self._rows:

@@ -302,6 +302,33 @@ def test_arrivals_while_rows_run_are_batched_into_few_prefills(engine, prompts):
     assert prefills <= allowed, (prefills, allowed, arrivals_s)
 
 
+def test_next_turns_that_fill_the_free_slots_still_wait_to_be_batched(model, tokenizer, prompts):
+    """Agents' next turns when `max_num_seqs` equals the episodes: every free slot belongs to an episode between
+    turns, so each next turn alone fills the free slots. They are still batched (ADMIT_MIN_SEQS or the window)
+    while rows run: admitting each as it filled the slots made one prefill per turn."""
+    episodes = 8
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=episodes, max_model_len=128)
+
+    async def episode(i: int) -> float:
+        params = SamplingParams(max_tokens=6 + i, seed=i, ignore_eos=True)  # one episode's turn ends per step
+        await engine.generate(prompts[i % 4], params)
+        arrived = time.monotonic()
+        await engine.generate(prompts[(i + 1) % 4], SamplingParams(max_tokens=30, seed=i, ignore_eos=True))
+        return arrived
+
+    async def run():
+        first = engine.stats()["prefills"]
+        arrivals = await asyncio.gather(*[episode(i) for i in range(episodes)])
+        return engine.stats()["prefills"] - first, max(arrivals) - min(arrivals)
+
+    try:
+        prefills, arrivals_s = asyncio.run(run())
+    finally:
+        engine.close()
+    allowed = 2 + 1 + int(arrivals_s / ADMISSION_WINDOW_S)  # the first turns' burst, then the next turns
+    assert prefills <= min(allowed, episodes - 2), (prefills, allowed, arrivals_s)
+
+
 def test_draws_on_the_device_one_step_ahead_equal_the_host_schedule(engine, prompts):
     """Seeded rows give the same tokens and logprobs whether they draw on the device one step ahead, or on the
     host's schedule because a request with top logprobs shares the batch for a while (switching both ways)."""
