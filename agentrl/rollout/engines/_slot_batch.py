@@ -612,10 +612,10 @@ class SlotBatch:
         target.index_copy_(0, self._to_device(slots), self._to_device(values, target.dtype))
 
     def _to_device(self, values: list | torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        """`values` on the engine's device without waiting for it: on CUDA through a reused pinned buffer and an
-        asynchronous copy (`PinnedStaging`). A plain `torch.tensor(..., device=cuda)` copies from pageable memory, which waits
-        for every kernel queued before it: each retired row then stalled the host until the decode step
-        launched one step ahead had finished, and the host could no longer prepare the next step meanwhile."""
+        """`values` on the engine's device without waiting for it: on CUDA through a reused pinned buffer and
+        an asynchronous copy (`PinnedStaging`). A plain `torch.tensor(..., device=cuda)` copies from pageable
+        memory, which waits for every kernel queued before it: each retired row then stalled the host until the
+        decode step launched one step ahead had finished, and the host could not prepare the next step."""
         host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
         if self.device.type != "cuda":
             return host.to(self.device)

@@ -4,7 +4,7 @@ Each decode step sends a few short lists to the GPU (retired slots, positions, s
 from pageable memory waits for every kernel queued before it; `tensor.pin_memory()` avoids that wait but asks
 PyTorch's pinned-memory allocator for a fresh block each time, whose bookkeeping and occasional
 `cudaHostAlloc` cost milliseconds while a decode step takes two: a py-spy profile of the 8-turn agent
-workload on an H100 found the engine thread in that call for ~4 s of a 12 s step. A ring of pinned buffers,
+workload on an H100 found a third of the engine thread's busy time in that call. A ring of pinned buffers,
 each reused only after the copy out of it has completed (a CUDA event), costs a memcpy into host memory. Each
 step's draws come back the same way (`to_host`).
 """
