@@ -187,8 +187,5 @@ class DynamicBatch:
     def clear(self) -> None:
         self._batch = None
 
-    def drop_graphs(self) -> None:
-        """Nothing is captured on this path."""
-
     def weights_changed(self) -> None:
         """Nothing is captured on this path."""
