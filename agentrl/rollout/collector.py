@@ -21,6 +21,7 @@ import httpx
 import openai
 
 from agentrl.flow import AgentFlow, RolloutContext
+from agentrl.rollout.client_transform import fast_transform, install_fast_transform
 from agentrl.rollout.gateway import refusal_reason
 from agentrl.rollout.loop_watchdog import LoopLagWatchdog
 from agentrl.rollout.uvicorn_thread import InProcessFirstTransport
@@ -77,6 +78,7 @@ class RolloutCollector:
         self.in_process = in_process
         self.limits = limits
         self._rounds = 0
+        install_fast_transform()
 
     def state_dict(self) -> dict[str, int]:
         """The round counter that session ids (and so sampling seeds) derive from; a checkpoint keeps it."""
@@ -205,7 +207,9 @@ async def _run_flow(flow: AgentFlow, task: Task, ctx: RolloutContext):
     # asyncio.TimeoutError is the builtin TimeoutError, so without this a flow's own timeout would be
     # taken for `agent.timeout` (and kept for training as a timeout instead of dropped as an error).
     try:
-        return await flow.run(task, ctx)
+        # The flow's openai calls skip openai's walk of plain request bodies (client_transform.py).
+        with fast_transform():
+            return await flow.run(task, ctx)
     except asyncio.TimeoutError as exc:
         raise FlowTimeoutError(f"the flow raised {exc!r} before agent.timeout") from exc
 

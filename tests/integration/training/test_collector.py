@@ -387,3 +387,22 @@ def test_a_retryable_failure_is_tried_again_up_to_retry_limit(stack):
     [episode] = collect(stack, flaky_connection, [Task(id="t")], retry_limit=1)
     assert episode.termination_reason == TerminationReason.ERROR and "APIConnectionError" in episode.error
     assert len(attempts) == 1
+
+
+def test_flows_call_the_model_on_the_fast_request_path_and_other_code_does_not(stack):
+    """The collector runs each flow inside `fast_transform()` (openai's walk of plain bodies skipped); code
+    outside a flow keeps openai's behaviour."""
+    from agentrl.rollout import client_transform
+
+    seen: list[bool] = []
+
+    @agent_flow
+    async def probe(task, ctx):
+        seen.append(client_transform._ACTIVE.get())
+        return await _chat_once.run(task, ctx)
+
+    episodes = collect(stack, probe, [Task(id="t")], n=2)
+    assert seen == [True, True]
+    assert all(e.error is None for e in episodes)
+    assert all(e.trajectories and e.trajectories[0].steps for e in episodes)
+    assert client_transform._ACTIVE.get() is False
