@@ -29,6 +29,10 @@ PROMPT_LIMIT_FIELD = "agentrl_max_prompt_tokens"
 FINAL_BODY_FIELD = "agentrl_final_body"
 """agentrl's extension: a streamed answer ends, before `[DONE]`, with one event `{"agentrl_final_body": body}`
 where body is what the same request would have answered unstreamed (the gateway records its trace from it)."""
+LOGPROB_VALUES_FIELD = "agentrl_logprob_values"
+"""agentrl's extension: asked (true), every choice of the answer carries `agentrl_logprob_values`, its sampled
+tokens' logprobs as plain floats. The gateway records traces from them and asks for `logprobs` entries (token
+text and bytes per token, built on the event loop the engine's thread waits on) only when its client did."""
 
 
 class _Lenient(BaseModel):
@@ -164,6 +168,8 @@ class ChatCompletionRequest(SamplingFields):
     """`PROMPT_LIMIT_FIELD`: a longer prompt is refused with code `PROMPT_LIMIT_CODE` before generating."""
     agentrl_final_body: bool = False
     """`FINAL_BODY_FIELD`: with `stream`, end the stream with the whole unstreamed response body."""
+    agentrl_logprob_values: bool = False
+    """`LOGPROB_VALUES_FIELD`: every choice carries its sampled tokens' logprobs as floats."""
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -181,6 +187,8 @@ class CompletionRequest(SamplingFields):
     """`PROMPT_LIMIT_FIELD`: a longer prompt is refused with code `PROMPT_LIMIT_CODE` before generating."""
     agentrl_final_body: bool = False
     """`FINAL_BODY_FIELD`: with `stream`, end the stream with the whole unstreamed response body."""
+    agentrl_logprob_values: bool = False
+    """`LOGPROB_VALUES_FIELD`: every choice carries its sampled tokens' logprobs as floats."""
 
 
 def top_logprobs_error(logprobs: bool | None, top_logprobs: int | None) -> str | None:

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 
 from agentrl.rollout._openai_protocol import (
     COMPLETIONS_MAX_TOKENS,
+    LOGPROB_VALUES_FIELD,
     PROMPT_LIMIT_CODE,
     ChatCompletionRequest,
     CompletionRequest,
@@ -248,6 +249,8 @@ def _chat_body(
             choice["logprobs"] = build_chat_logprobs(
                 server.token_text, out.token_ids, out.logprobs, out.top_logprobs
             )
+        if req.agentrl_logprob_values:
+            choice[LOGPROB_VALUES_FIELD] = list(out.logprobs)
         if req.return_token_ids:
             choice["token_ids"] = out.token_ids
         choices.append(choice)
@@ -336,6 +339,8 @@ def _completion_body(
                 choice["logprobs"] = build_completion_logprobs(
                     server.token_text, out.token_ids, out.logprobs, out.top_logprobs
                 )
+            if req.agentrl_logprob_values:
+                choice[LOGPROB_VALUES_FIELD] = list(out.logprobs)
             if req.return_token_ids:
                 choice["prompt_token_ids"], choice["token_ids"] = prompt_ids, out.token_ids
             choices.append(choice)

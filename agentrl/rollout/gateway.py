@@ -4,7 +4,8 @@ A rollout's client uses base URL `{gateway}/sessions/{session_id}/v1`. For each 
 1. validates the body (a malformed request gets a 400 naming the field),
 2. enforces the session's sampling mode (`train` or `validation`): temperature, top_p and top_k come
    from config, `max_tokens` is capped, config stop strings/ids are added, `n` is capped,
-3. always asks the server for token ids and logprobs (`return_token_ids`, `logprobs`),
+3. always asks the server for token ids and logprobs (`return_token_ids`; an embedded server's as plain floats,
+   `agentrl_logprob_values`, a vLLM server's as `logprobs` entries),
 4. stores one `Trace` per choice under the session (token in, token out; what training uses),
 5. strips what the client did not ask for, so the agent sees an ordinary OpenAI response; with `stream: true`
    an embedded server's chunks are relayed as they are generated and the call is recorded from the stream's
@@ -41,6 +42,7 @@ from starlette.requests import ClientDisconnect
 from agentrl.data.images import has_image_parts
 from agentrl.rollout._openai_protocol import (
     FINAL_BODY_FIELD,
+    LOGPROB_VALUES_FIELD,
     PROMPT_LIMIT_CODE,
     PROMPT_LIMIT_FIELD,
     ChatMessageIn,
@@ -301,6 +303,9 @@ def build_gateway_app(
         vllm = any(s.engine == "vllm" for s in pool.servers)
         if max_prompt_tokens is not None and not vllm:  # the embedded server refuses before generating
             upstream[PROMPT_LIMIT_FIELD] = max_prompt_tokens
+        if not vllm:  # logprobs as floats for the trace; per-token entries only when the client asked
+            upstream[LOGPROB_VALUES_FIELD] = True
+            upstream["logprobs"] = bool(req.logprobs) if chat else req.logprobs
         path = "/v1/chat/completions" if chat else "/v1/completions"
         started = time.perf_counter()
         if req.stream and not vllm:  # tokens flow through as generated; vLLM's stream lacks the final body
@@ -436,10 +441,14 @@ def extract_traces(body: dict[str, Any], session_id: str, *, chat: bool, message
         response_ids = choice.get("token_ids")
         if prompt_ids is None or response_ids is None:
             raise ValueError(f"choices[{i}] lacks prompt_token_ids/token_ids")
-        lp = choice.get("logprobs") or {}
-        logprobs = (
-            [e["logprob"] for e in lp.get("content") or []] if chat else list(lp.get("token_logprobs") or [])
-        )
+        logprobs = choice.get(LOGPROB_VALUES_FIELD)
+        if logprobs is None:  # a vLLM server's answer: the logprobs entries
+            lp = choice.get("logprobs") or {}
+            logprobs = (
+                [e["logprob"] for e in lp.get("content") or []]
+                if chat
+                else list(lp.get("token_logprobs") or [])
+            )
         problem = logprob_count_problem(response_ids, logprobs)
         if problem:
             raise ValueError(f"choices[{i}] has {problem}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from agentrl.rollout._openai_protocol import FINAL_BODY_FIELD, build_error
+from agentrl.rollout._openai_protocol import FINAL_BODY_FIELD, LOGPROB_VALUES_FIELD, build_error
 from agentrl.rollout._sse import dumps_sse
 from agentrl.rollout.continuation import CONTINUED_FIELD
 from agentrl.rollout.pool import PoolResponse
@@ -26,6 +26,8 @@ def strip_response(body: dict[str, Any], req: Any, *, chat: bool) -> dict[str, A
     body = dict(body)
     body.pop(CONTINUED_FIELD, None)
     choices = [dict(c) for c in body.get("choices") or []]
+    for c in choices:
+        c.pop(LOGPROB_VALUES_FIELD, None)
     if not req.return_token_ids:
         for f in _TOKEN_FIELDS:
             body.pop(f, None)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from agentrl.rollout._openai_protocol import FINAL_BODY_FIELD
+from agentrl.rollout._openai_protocol import FINAL_BODY_FIELD, LOGPROB_VALUES_FIELD
 from agentrl.rollout.app import DirectCalls, build_server_app
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.rollout.pool import RolloutPool
@@ -86,6 +86,32 @@ def test_a_direct_call_answers_what_http_answers(served, path, body):
     assert answered == [path]  # the TCP call did not go through the direct path
     assert direct.status == over_tcp.status == 200
     assert _without_ids(direct.body) == _without_ids(over_tcp.body)
+
+
+@pytest.mark.parametrize(
+    ("path", "asked", "plain"),
+    [
+        ("/v1/chat/completions", {"logprobs": True}, {"logprobs": False}),
+        ("/v1/completions", {"logprobs": 0}, {"logprobs": None}),
+    ],
+    ids=["chat", "completions"],
+)
+def test_logprob_values_are_the_entries_logprobs_without_the_entries(served, path, asked, plain):
+    """The gateway's `agentrl_logprob_values`: the same sampled logprobs as floats, and no per-token entries
+    unless `logprobs` is asked too."""
+    handle, _, _ = served
+    base = {**CHAT, "max_tokens": 6, "ignore_eos": True}
+    if path == "/v1/completions":
+        base = {"model": "tiny", "prompt": [10, 11, 12], "max_tokens": 6, "seed": 3, "ignore_eos": True}
+    with_entries = _forward(handle.url, path, {**base, **asked}, in_process=True).body["choices"][0]
+    values_only = _forward(handle.url, path, {**base, **plain, LOGPROB_VALUES_FIELD: True}, in_process=True)
+    choice = values_only.body["choices"][0]
+    entries = with_entries["logprobs"]
+    expected = [e["logprob"] for e in entries["content"]] if "content" in entries else entries["token_logprobs"]
+    assert choice["logprobs"] is None
+    assert len(choice[LOGPROB_VALUES_FIELD]) == 6
+    assert choice[LOGPROB_VALUES_FIELD] == expected
+    assert LOGPROB_VALUES_FIELD not in with_entries
 
 
 def test_refusals_are_the_same_status_and_message_as_over_http(served):

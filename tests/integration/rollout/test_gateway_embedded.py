@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from agentrl.models import resolve_model_path
+from agentrl.rollout._openai_protocol import LOGPROB_VALUES_FIELD
 from agentrl.rollout.admin_auth import admin_headers
 from agentrl.rollout.app import build_server_app
 from agentrl.rollout.engines.embedded import build_embedded_engine
@@ -69,6 +70,7 @@ def test_sync_chat_is_an_ordinary_response_and_is_traced(stack: Gateway) -> None
     assert "token_ids" not in (choice.model_extra or {}) and "prompt_token_ids" not in (
         reply.model_extra or {}
     )
+    assert LOGPROB_VALUES_FIELD not in (choice.model_extra or {})
     (trace,) = stack.session_traces(sid)
     _check_trace(trace, stack)
     assert trace.messages == MSG and trace.completion_text == choice.message.content
@@ -86,6 +88,18 @@ def test_token_ids_and_logprobs_when_the_client_asks(stack: Gateway) -> None:
     assert reply.model_extra["prompt_token_ids"] == trace.prompt_ids
     assert reply.choices[0].model_extra["token_ids"] == trace.response_ids
     assert [e.logprob for e in reply.choices[0].logprobs.content] == pytest.approx(trace.logprobs)
+
+
+def test_the_trace_holds_the_same_logprobs_whether_or_not_the_client_asks(stack: Gateway) -> None:
+    """Without the client's `logprobs` the server sends them as floats (no per-token entries): same values."""
+    traces = []
+    for asked in (True, False):
+        sid, client = _client(stack)
+        client.chat.completions.create(model=MODEL, messages=MSG, logprobs=asked, seed=11)
+        (trace,) = stack.session_traces(sid)
+        traces.append(trace)
+    assert traces[0].response_ids == traces[1].response_ids
+    assert traces[0].logprobs == pytest.approx(traces[1].logprobs, abs=1e-5)
 
 
 def test_async_completions_n2_and_streaming(stack: Gateway) -> None:
