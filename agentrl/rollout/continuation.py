@@ -79,18 +79,27 @@ class SessionTurns:
         self.continued = 0
         self.fallbacks: dict[str, int] = {}
         """Reason -> follow-up turns whose prompt was rendered from text instead."""
+        self._by_mode: dict[str, list[int]] = {}
+        """Session mode (train, validation) -> [continued, fallbacks]: training's step metrics count only its own."""
 
     @property
     def fallback_count(self) -> int:
         return sum(self.fallbacks.values())
 
-    def count_fallback(self, reason: str) -> None:
+    def counts(self, mode: str) -> tuple[int, int]:
+        """(continued turns, fallbacks) of sessions in `mode` so far."""
+        continued, fallbacks = self._by_mode.get(mode, (0, 0))
+        return continued, fallbacks
+
+    def count_fallback(self, reason: str, mode: str = "train") -> None:
         with self._lock:
             self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+            self._by_mode.setdefault(mode, [0, 0])[1] += 1
 
-    def count_continued(self) -> None:
+    def count_continued(self, mode: str = "train") -> None:
         with self._lock:
             self.continued += 1
+            self._by_mode.setdefault(mode, [0, 0])[0] += 1
 
     def plan(
         self, session_id: str, messages: list[Any], tools: Any

@@ -294,7 +294,7 @@ def build_gateway_app(
             if continuation is not None and any(s.engine == "vllm" for s in pool.servers):
                 continuation, fallback = None, "engine_renders"  # vLLM's chat route takes no prompt ids
             if fallback:
-                turns.count_fallback(fallback)
+                turns.count_fallback(fallback, mode)
         upstream = build_upstream_body(raw, req, sampling[mode], pool.served_model, chat=chat)
         if continuation is not None:
             upstream[CONTINUATION_FIELD] = continuation
@@ -315,7 +315,7 @@ def build_gateway_app(
             answer = await pool.forward(sid, path, upstream)
 
         def finish(resp: PoolResponse) -> tuple[int, dict[str, Any]]:
-            return finish_call(sid, raw, req, chat, continuation, resp, time.perf_counter() - started)
+            return finish_call(sid, mode, raw, req, chat, continuation, resp, time.perf_counter() - started)
 
         if isinstance(answer, PoolStream):  # closed by the relay, or after the response if never iterated
             chunks = relay_stream(answer, req, chat=chat, finish=finish)
@@ -329,6 +329,7 @@ def build_gateway_app(
 
     def finish_call(
         sid: str,
+        mode: str,
         raw: dict[str, Any],
         req: Any,
         chat: bool,
@@ -364,9 +365,9 @@ def build_gateway_app(
             if continuation is not None:
                 continued = resp.body.get(CONTINUED_FIELD)
                 if continued is True:
-                    turns.count_continued()
+                    turns.count_continued(mode)
                 else:
-                    turns.count_fallback(str(continued or "server"))
+                    turns.count_fallback(str(continued or "server"), mode)
             replies = [
                 {"prompt_ids": t.prompt_ids, "response_ids": t.response_ids, "content": t.completion_text,
                  "tool_calls": t.tool_calls}

@@ -284,14 +284,14 @@ class Controller:
         servers = self.stack.pool.servers
         calls_before = [server.requests for server in servers]
         turns = self.stack.backend.session_turns
+        continued, fallbacks = turns.counts("train")
         for step in range(self.global_step + 1, self.total_steps + 1):
             timing: dict[str, float] = {}
             with _timer(timing, "step"):
-                continued, fallbacks = turns.continued, turns.fallback_count
                 with _timer(timing, "gen"):
                     episodes, kept = self.next_training_episodes(step)
-                # Asynchronous: the engine worked on this batch while earlier steps trained, so its counters
-                # are read from one batch's end to the next.
+                # Asynchronous: the engine and the gateway worked on this batch while earlier steps trained, so
+                # their counters are read from one batch's end to the next.
                 busy_after = self.policy.call("engine_counters")
                 timing.update(_engine_timing(busy_before, busy_after))
                 busy_before = busy_after
@@ -299,8 +299,10 @@ class Controller:
                 healthy = sum(server.healthy for server in servers)
                 timing.update(compute_routing_metrics(calls_before, calls_after, healthy))
                 calls_before = calls_after
-                timing["gateway/continued_turns"] = turns.continued - continued
-                timing["gateway/continuation_fallbacks"] = turns.fallback_count - fallbacks
+                continued_now, fallbacks_now = turns.counts("train")  # validation's turns are not the step's
+                timing["gateway/continued_turns"] = continued_now - continued
+                timing["gateway/continuation_fallbacks"] = fallbacks_now - fallbacks
+                continued, fallbacks = continued_now, fallbacks_now
                 metrics = {
                     "training/global_step": step,
                     "training/epoch": self.loader.epoch,

@@ -79,6 +79,12 @@ def test_each_turn_extends_the_previous_prompt_and_completion(server):
         messages = _talk(client, 4)
         traces = gateway.session_traces(sid)
         assert gateway.session_turns.continued == 3 and gateway.session_turns.fallback_count == 0
+        assert gateway.session_turns.counts("train") == (3, 0)
+        validation_url = gateway.open_session(None, "validation")
+        _talk(openai.OpenAI(base_url=validation_url, api_key="x", max_retries=0), 2)
+        # training's step metrics read the train sessions' counts only
+        assert gateway.session_turns.counts("validation") == (1, 0)
+        assert gateway.session_turns.counts("train") == (3, 0) and gateway.session_turns.continued == 4
         tokenizer = engine.tokenizer
         for k in range(1, 4):
             before, now = traces[k - 1], traces[k]

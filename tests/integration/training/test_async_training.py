@@ -78,6 +78,10 @@ def test_rollouts_run_ahead_by_at_most_the_staleness_threshold(tmp_path: Path, r
     assert all(math.isfinite(r["actor/pg_loss"]) for r in history)
     assert max(r["async/staleness_max"] for r in history) == 1.0  # batches really were collected a step ahead
     assert all(r["async/staleness_max"] <= 1.0 for r in history)
+    # Every second turn continued its session; turns made while an earlier step trained count too.
+    merged = sum(r["batch/merged_steps"] for r in history)
+    assert merged == 16
+    assert sum(r["gateway/continued_turns"] for r in history) >= merged
     versions = [
         step["policy_version"]
         for step_number in (2, 3, 4)
