@@ -111,7 +111,9 @@ def install_fast_transform() -> bool:
     for module in (chat_module, completions_module):
         original = getattr(module, "async_maybe_transform", None)
         if original is None:
-            logger.debug("openai %s: no async_maybe_transform in %s", module.__name__, module.__name__)
+            logger.debug(
+                "openai: no async_maybe_transform in %s; requests take openai's walk", module.__name__
+            )
             installed = False
         elif not getattr(original, _INSTALLED_MARK, False):
             module.async_maybe_transform = _with_fast_path(original)

@@ -295,17 +295,16 @@ def build_gateway_app(
                 continuation, fallback = None, "engine_renders"  # vLLM's chat route takes no prompt ids
             if fallback:
                 turns.count_fallback(fallback, mode)
-        upstream = build_upstream_body(raw, req, sampling[mode], pool.served_model, chat=chat)
+        vllm = any(s.engine == "vllm" for s in pool.servers)
+        upstream = build_upstream_body(
+            raw, req, sampling[mode], pool.served_model, chat=chat, logprob_values=not vllm
+        )
         if continuation is not None:
             upstream[CONTINUATION_FIELD] = continuation
         if req.seed is None and sampling[mode].seed is not None:
             upstream["seed"] = derive_call_seed(sampling[mode].seed, sid, trace_store.call_count(sid))
-        vllm = any(s.engine == "vllm" for s in pool.servers)
         if max_prompt_tokens is not None and not vllm:  # the embedded server refuses before generating
             upstream[PROMPT_LIMIT_FIELD] = max_prompt_tokens
-        if not vllm:  # logprobs as floats for the trace; per-token entries only when the client asked
-            upstream[LOGPROB_VALUES_FIELD] = True
-            upstream["logprobs"] = bool(req.logprobs) if chat else req.logprobs
         path = "/v1/chat/completions" if chat else "/v1/completions"
         started = time.perf_counter()
         if req.stream and not vllm:  # tokens flow through as generated; vLLM's stream lacks the final body
@@ -398,12 +397,23 @@ def derive_call_seed(seed: int, session_id: str, call_index: int) -> int:
 
 
 def build_upstream_body(
-    raw: dict[str, Any], req: _Common, sampling: SamplingParams, served_model: str, *, chat: bool
+    raw: dict[str, Any],
+    req: _Common,
+    sampling: SamplingParams,
+    served_model: str,
+    *,
+    chat: bool,
+    logprob_values: bool = False,
 ) -> dict[str, Any]:
-    """The body sent to the server: the client's request under the mode's sampling settings."""
+    """The body sent to the server: the client's request under the mode's sampling settings. `logprob_values`
+    (an embedded server): the logprobs come back as floats, and per-token entries only if the client asked."""
     body = dict(raw)
     asked = req.requested_max_tokens()
-    for field in (PROMPT_LIMIT_FIELD, FINAL_BODY_FIELD):  # the gateway's to set, not the client's
+    for field in (
+        PROMPT_LIMIT_FIELD,
+        FINAL_BODY_FIELD,
+        LOGPROB_VALUES_FIELD,
+    ):  # the gateway's, not the client's
         body.pop(field, None)
     body.pop("max_completion_tokens", None)
     body.pop("stream_options", None)
@@ -426,7 +436,10 @@ def build_upstream_body(
     min_tokens = min(max(req.min_tokens, sampling.min_tokens), max_tokens)
     if min_tokens:
         body["min_tokens"] = min_tokens
-    if chat:
+    if logprob_values:
+        body[LOGPROB_VALUES_FIELD] = True
+        body["logprobs"] = bool(req.logprobs) if chat else req.logprobs
+    elif chat:
         body["logprobs"] = True
     else:
         body["logprobs"] = req.logprobs if req.logprobs is not None else 1

@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from agentrl.rollout._openai_protocol import PROMPT_LIMIT_CODE, build_error
+from agentrl.rollout._openai_protocol import LOGPROB_VALUES_FIELD, PROMPT_LIMIT_CODE, build_error
 from agentrl.rollout.admin_auth import admin_headers
 from agentrl.rollout.gateway import (
     TURN_LIMIT_CODE,
@@ -67,6 +67,24 @@ def test_upstream_body_enforces_the_modes_sampling() -> None:
     raw = {"prompt": [1, 2]}
     body = build_upstream_body(raw, _CompletionBody.model_validate(raw), TRAIN, "served", chat=False)
     assert (body["max_tokens"], body["logprobs"]) == (16, 1)
+
+
+def test_an_embedded_server_is_asked_for_logprob_values_and_entries_only_when_the_client_asked() -> None:
+    for raw, chat, entries in (
+        ({"messages": MSG}, True, False),
+        ({"messages": MSG, "logprobs": True}, True, True),
+        ({"prompt": [1, 2]}, False, None),
+        ({"prompt": [1, 2], "logprobs": 2}, False, 2),
+    ):
+        model = _ChatBody if chat else _CompletionBody
+        body = build_upstream_body(
+            raw, model.model_validate(raw), TRAIN, "served", chat=chat, logprob_values=True
+        )
+        assert body[LOGPROB_VALUES_FIELD] is True and body["logprobs"] == entries, raw
+    # the field is the gateway's to set: a client's is dropped on the way to a vLLM server
+    raw = {"messages": MSG, LOGPROB_VALUES_FIELD: True}
+    body = build_upstream_body(raw, _ChatBody.model_validate(raw), TRAIN, "served", chat=True)
+    assert LOGPROB_VALUES_FIELD not in body and body["logprobs"] is True
 
 
 def test_call_seeds_are_reproducible_and_distinct_per_session_and_call() -> None:
