@@ -23,6 +23,7 @@ import openai
 from agentrl.flow import AgentFlow, RolloutContext
 from agentrl.rollout.client_transform import fast_transform, install_fast_transform
 from agentrl.rollout.gateway import refusal_reason
+from agentrl.rollout.http_transport import ShardedHTTPTransport
 from agentrl.rollout.loop_watchdog import LoopLagWatchdog
 from agentrl.rollout.uvicorn_thread import InProcessFirstTransport
 from agentrl.tracking.failures import record_failure
@@ -94,17 +95,18 @@ class RolloutCollector:
         gate = asyncio.Semaphore(self.limits.n_parallel_tasks)
         round_id = self._rounds
         self._rounds += 1
+
         # One HTTP client for every rollout: building an OpenAI client with its own costs ~15 ms each.
-        limits = httpx.Limits(
-            max_connections=self.limits.n_parallel_tasks * 2,
-            max_keepalive_connections=self.limits.n_parallel_tasks,
-        )
+        def network() -> ShardedHTTPTransport:
+            return ShardedHTTPTransport(
+                max_connections=self.limits.n_parallel_tasks * 2,
+                max_keepalive_connections=self.limits.n_parallel_tasks,
+            )
+
         # A gateway in this process (the trainer's) is reached through ASGI, without a TCP hop; the network
         # transport is only built if a request leaves the process.
         transport: httpx.AsyncBaseTransport = (
-            InProcessFirstTransport(lambda: httpx.AsyncHTTPTransport(limits=limits))
-            if self.in_process
-            else httpx.AsyncHTTPTransport(limits=limits)
+            InProcessFirstTransport(network) if self.in_process else network()
         )
         async with httpx.AsyncClient(timeout=self.limits.timeout, transport=transport) as http:
 

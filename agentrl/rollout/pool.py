@@ -44,6 +44,7 @@ import httpx
 from agentrl.rollout._openai_protocol import build_error
 from agentrl.rollout.admin_auth import admin_headers, resolve_admin_token
 from agentrl.rollout.engines.vllm import describe_exit, engine_dead_reason
+from agentrl.rollout.http_transport import ShardedHTTPTransport
 from agentrl.rollout.pool_stream import PoolStream
 from agentrl.rollout.uvicorn_thread import InProcessFirstTransport, find_local_app
 
@@ -391,12 +392,11 @@ class RolloutPool:
         if client is None:
             transport = self._transport
             if transport is None:
-                limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-                transport = (
-                    InProcessFirstTransport(lambda: httpx.AsyncHTTPTransport(limits=limits))
-                    if in_process
-                    else httpx.AsyncHTTPTransport(limits=limits)
-                )
+
+                def network() -> ShardedHTTPTransport:
+                    return ShardedHTTPTransport(max_connections=1024, max_keepalive_connections=256)
+
+                transport = InProcessFirstTransport(network) if in_process else network()
             client = httpx.AsyncClient(timeout=self.request_timeout, transport=transport)
             clients[in_process] = client
         return client
