@@ -99,7 +99,9 @@ def main() -> None:
     proc, url = start_server(args.latency)
     kinds = ["one pool", "sharded"]
     try:
-        print(f"{args.requests} POSTs, server latency {args.latency * 1000:.0f} ms, medians of {args.repeats}")
+        print(
+            f"{args.requests} POSTs, server latency {args.latency * 1000:.0f} ms, medians of {args.repeats}"
+        )
         print("| concurrency | transport | wall s | requests/s | client CPU ms/request | CPU vs one pool |")
         print("| ---: | --- | ---: | ---: | ---: | ---: |")
         for concurrency in args.concurrency:

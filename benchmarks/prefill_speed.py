@@ -44,7 +44,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument(
-        "--compile", action="store_true", help="compile the decode step, as the engine does by default (compile_decode)"
+        "--compile",
+        action="store_true",
+        help="compile the decode step, as the engine does by default (compile_decode)",
     )
     args = p.parse_args()
     model = load_causal_lm(args.model, dtype=args.dtype, device=args.device).eval()

@@ -11,6 +11,8 @@ instead of ~90 (docs/benchmarks.md). Spreading the calls over several small pool
 
 from __future__ import annotations
 
+import functools
+import ssl
 from collections.abc import AsyncIterator
 
 import httpx
@@ -32,7 +34,8 @@ class ShardedHTTPTransport(httpx.AsyncBaseTransport):
             max_connections=max(1, -(-max_connections // shards)),
             max_keepalive_connections=max(1, -(-max_keepalive_connections // shards)),
         )
-        self.pools = [httpx.AsyncHTTPTransport(limits=per_pool) for _ in range(shards)]
+        context = _ssl_context()  # one for all pools: each built its own in ~35 ms (0.57 s for 16, 2 cores)
+        self.pools = [httpx.AsyncHTTPTransport(verify=context, limits=per_pool) for _ in range(shards)]
         self.in_flight = [0] * shards
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -56,6 +59,13 @@ class ShardedHTTPTransport(httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         for pool in self.pools:
             await pool.aclose()
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """httpx's default verifying context (certifi's roots), built once per process: the pool makes a client per
+    training step's event loop."""
+    return httpx.create_ssl_context()
 
 
 class _ReleasingStream(httpx.AsyncByteStream):

@@ -107,7 +107,9 @@ def test_logprob_values_are_the_entries_logprobs_without_the_entries(served, pat
     values_only = _forward(handle.url, path, {**base, **plain, LOGPROB_VALUES_FIELD: True}, in_process=True)
     choice = values_only.body["choices"][0]
     entries = with_entries["logprobs"]
-    expected = [e["logprob"] for e in entries["content"]] if "content" in entries else entries["token_logprobs"]
+    expected = (
+        [e["logprob"] for e in entries["content"]] if "content" in entries else entries["token_logprobs"]
+    )
     assert choice["logprobs"] is None
     assert len(choice[LOGPROB_VALUES_FIELD]) == 6
     assert choice[LOGPROB_VALUES_FIELD] == expected
