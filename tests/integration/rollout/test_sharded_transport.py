@@ -130,9 +130,13 @@ def test_a_failed_call_gives_its_slot_back():
 def test_limits_are_totals_over_the_pools():
     transport = ShardedHTTPTransport(max_connections=10, max_keepalive_connections=3, shards=4)
     limits = [(p._pool._max_connections, p._pool._max_keepalive_connections) for p in transport.pools]
-    assert limits == [(3, 1)] * 4
+    assert limits == [(3, 1), (3, 1), (2, 1), (2, 0)]
+    few = ShardedHTTPTransport(max_connections=3, max_keepalive_connections=3, shards=16)
+    assert [p._pool._max_connections for p in few.pools] == [1, 1, 1]  # no pool without a connection
     with pytest.raises(ValueError, match="shards"):
         ShardedHTTPTransport(max_connections=4, max_keepalive_connections=4, shards=0)
+    with pytest.raises(ValueError, match="max_connections"):
+        ShardedHTTPTransport(max_connections=0, max_keepalive_connections=0)
 
 
 def test_pools_share_one_tls_context():
