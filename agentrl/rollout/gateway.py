@@ -396,6 +396,10 @@ def derive_call_seed(seed: int, session_id: str, call_index: int) -> int:
     return zlib.crc32(f"{seed}:{session_id}:{call_index}".encode()) & 0x7FFFFFFF
 
 
+_GATEWAY_FIELDS = (PROMPT_LIMIT_FIELD, FINAL_BODY_FIELD, LOGPROB_VALUES_FIELD)
+"""Upstream fields only the gateway sets: a client's own are dropped."""
+
+
 def build_upstream_body(
     raw: dict[str, Any],
     req: _Common,
@@ -409,11 +413,7 @@ def build_upstream_body(
     (an embedded server): the logprobs come back as floats, and per-token entries only if the client asked."""
     body = dict(raw)
     asked = req.requested_max_tokens()
-    for field in (
-        PROMPT_LIMIT_FIELD,
-        FINAL_BODY_FIELD,
-        LOGPROB_VALUES_FIELD,
-    ):  # the gateway's, not the client's
+    for field in _GATEWAY_FIELDS:
         body.pop(field, None)
     body.pop("max_completion_tokens", None)
     body.pop("stream_options", None)
