@@ -102,6 +102,35 @@ def test_rollouts_run_ahead_by_at_most_the_staleness_threshold(tmp_path: Path, r
             assert len(seen) == 1, seen
 
 
+def test_rollouts_run_ahead_with_the_engine_in_a_ray_worker(tmp_path: Path, rows):
+    """`trainer.backend=ray`: the flows and the gateway stay in the driver while the engine and the trainer live in
+    a worker actor; the worker trains a step while its engine serves the next batch's calls over HTTP, and the
+    weights it pushes after each update reach the engine (the fingerprint check of every push passes)."""
+    history = _train(
+        tmp_path / "run",
+        rows,
+        "trainer.backend=ray",
+        "trainer.n_gpus_per_node=1",
+        "async_training.enable=true",
+        "async_training.staleness_threshold=1",
+        "algorithm.rollout_correction.bypass_mode=true",
+        "trainer.total_training_steps=3",
+    )
+    assert [r["step"] for r in history] == [1, 2, 3]
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in history)
+    assert max(r["async/staleness_max"] for r in history) == 1.0
+    assert sum(r["batch/merged_steps"] for r in history) == 12  # every second turn continued its session
+    # Step k trains policy version k (the first push is version 1): its calls were served by version k or k-1.
+    for step_number in (1, 2, 3):
+        versions = {
+            step["policy_version"]
+            for record in read_rollouts(tmp_path / "run", step=step_number)
+            for trajectory in record["trajectories"]
+            for step in trajectory["steps"]
+        }
+        assert versions and versions <= {step_number - 1, step_number}, (step_number, versions)
+
+
 def test_staleness_zero_is_the_synchronous_loop(tmp_path: Path, rows):
     sync = _train(tmp_path / "sync", rows)
     zero = _train(
