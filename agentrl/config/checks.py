@@ -269,6 +269,26 @@ def _check_bypass(cfg: AgentRLConfig) -> list[str]:
     return []
 
 
+def _check_stale_prefixes(cfg: AgentRLConfig) -> list[str]:
+    """async_training.reuse_stale_prefixes needs asynchronous training (its bound) and the embedded engine."""
+    run_ahead = cfg.async_training
+    if not run_ahead.reuse_stale_prefixes:
+        return []
+    if not (run_ahead.enable and run_ahead.staleness_threshold > 0):
+        return [
+            f"async_training.reuse_stale_prefixes=true with enable={str(run_ahead.enable).lower()} and "
+            f"staleness_threshold={run_ahead.staleness_threshold}: only asynchronous training (enable=true, "
+            f"staleness_threshold > 0) serves older weights' keys and values; set reuse_stale_prefixes=false"
+        ]
+    if cfg.actor_rollout_ref.rollout.name != "embedded":
+        return [
+            f"async_training.reuse_stale_prefixes=true with actor_rollout_ref.rollout.name="
+            f"{cfg.actor_rollout_ref.rollout.name}: only the embedded engine keeps prefixes across weight pushes; "
+            f"set reuse_stale_prefixes=false or rollout.name=embedded"
+        ]
+    return []
+
+
 def _check_train_temperature(cfg: AgentRLConfig) -> list[str]:
     """rollout.temperature > 0: the trainer divides its logits by it (the policy the engine sampled from)."""
     if cfg.actor_rollout_ref.rollout.temperature > 0.0:
@@ -308,6 +328,7 @@ CROSS_FIELD_CHECKS: tuple[Callable[[AgentRLConfig], list[str]], ...] = (
     _check_val_sampling,
     _check_train_temperature,
     _check_bypass,
+    _check_stale_prefixes,
     _check_sft_stop,
 )
 """Every cross-field rule, in the order problems are reported."""

@@ -181,7 +181,7 @@ class DynamicBatch:
         """Keep only `rows`; `finished` is ignored (no prefix cache on this path)."""
         self._batch = select_rows(self._batch, rows) if rows else None
 
-    def forget_prefixes(self) -> None:
+    def forget_prefixes(self, keep: int = 0) -> None:
         """Nothing is cached across requests on this path."""
 
     def clear(self) -> None:

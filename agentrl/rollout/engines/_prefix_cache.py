@@ -5,8 +5,9 @@ and values it holds (prompt + every sampled token but the last, which was never 
 extends exactly those tokens (the gateway continues sessions in token space), so its prompt finds the slot and
 only the new tokens are prefilled; a prompt that shares a shorter prefix (a system prompt, a GRPO sibling)
 copies that part into a fresh slot. Parked slots are the first to go when a new row needs a slot (least
-recently used first), and every parked slot is forgotten when the weights change, so a prefix computed by
-other weights is never read.
+recently used first), and when the weights change every parked slot is forgotten, so a prefix computed by other
+weights is never read; asynchronous training may keep them for a bounded number of weight changes instead
+(`new_weights`).
 
 Lookup is by chained hashes of 16-token blocks (as vLLM's automatic prefix caching keys its blocks), then
 extended token by token against the chosen slot's ids, so a match is exact to the token.
@@ -45,6 +46,9 @@ class PrefixCache:
         self._parked: OrderedDict[int, list[int]] = OrderedDict()
         self._slots_by_hash: dict[int, set[int]] = {}
         self._hashes: dict[int, list[int]] = {}
+        self._weights = 0
+        """How many times the weights changed; each parked slot remembers the count it was parked at."""
+        self._parked_at: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._parked)
@@ -57,6 +61,7 @@ class PrefixCache:
         """Remember that `slot` holds the keys and values of `token_ids` (positions 0..len-1)."""
         self.release(slot)
         self._parked[slot] = list(token_ids)
+        self._parked_at[slot] = self._weights
         self._hashes[slot] = block_hashes(token_ids)
         for value in self._hashes[slot]:
             self._slots_by_hash.setdefault(value, set()).add(slot)
@@ -65,6 +70,7 @@ class PrefixCache:
         """Forget `slot` (it is taken by a row or evicted); whether it was parked."""
         if self._parked.pop(slot, None) is None:
             return False
+        del self._parked_at[slot]
         for value in self._hashes.pop(slot):
             holders = self._slots_by_hash[value]
             holders.discard(slot)
@@ -84,9 +90,20 @@ class PrefixCache:
         """Forget every parked slot (the weights changed, or the cache is freed); returns them."""
         slots = list(self._parked)
         self._parked.clear()
+        self._parked_at.clear()
         self._slots_by_hash.clear()
         self._hashes.clear()
         return slots
+
+    def new_weights(self, keep: int = 0) -> list[int]:
+        """The weights changed: forget every slot parked more than `keep` weight changes ago (0: all of them);
+        returns the forgotten slots. A kept slot's keys and values were computed by older weights, as a sequence
+        running across the change keeps its own (asynchronous training's partial rollouts)."""
+        self._weights += 1
+        stale = [slot for slot, at in self._parked_at.items() if at < self._weights - keep]
+        for slot in stale:
+            self.release(slot)
+        return stale
 
     def _most_recent(self, slots: set[int]) -> int:
         """The most recently used of `slots` (one pass over the parked order, not one per slot)."""

@@ -549,9 +549,9 @@ class SlotBatch:
         self._row_slots = [self._row_slots[i] for i in rows]
         self._row_positions = [self._row_positions[i] for i in rows]
 
-    def forget_prefixes(self) -> None:
-        """The weights changed: no parked prefix may be read again."""
-        for slot in self.prefixes.clear():
+    def forget_prefixes(self, keep: int = 0) -> None:
+        """The weights changed: no prefix parked more than `keep` weight changes ago may be read again."""
+        for slot in self.prefixes.new_weights(keep):
             heapq.heappush(self._free, slot)
 
     @property

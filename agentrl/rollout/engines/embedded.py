@@ -106,6 +106,7 @@ class EmbeddedEngine:
         draw_on_device: bool = True,
         enable_prefix_caching: bool = True,
         prefill_chunk_tokens: int = 8192,
+        prefix_max_weight_changes: int = 0,
     ) -> None:
         """`image_processor`: a vision-language model's (loaded from the model's folder when None).
         `cuda_graphs=False` decodes eagerly (verl's `enforce_eager`); it only matters on CUDA.
@@ -115,7 +116,9 @@ class EmbeddedEngine:
         `draw_on_device=False`: every row draws on the host's schedule (`_step_on_host`), one step at a time.
         `enable_prefix_caching` (vLLM's name): a finished sequence parks its slot so a prompt extending it (the
         agent's next turn) or sharing its prefix computes only the rest; identical prompts admitted together
-        are computed once. `prefill_chunk_tokens`: the most prompt tokens one prefill forward computes."""
+        are computed once. `prefill_chunk_tokens`: the most prompt tokens one prefill forward computes.
+        `prefix_max_weight_changes`: how many weight changes a parked prefix outlives (0: new weights forget
+        every one; asynchronous training with `async_training.reuse_stale_prefixes` sets its staleness bound)."""
         self.model = model.eval()
         self.owns_weights = owns_weights
         self._host_weights: dict[str, torch.Tensor] | None = None
@@ -127,6 +130,7 @@ class EmbeddedEngine:
         self._placeholder_ids = placeholder_token_ids(model)
         self.enable_prefix_caching = enable_prefix_caching
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefix_max_weight_changes = prefix_max_weight_changes
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
@@ -651,7 +655,7 @@ class EmbeddedEngine:
         with self._between_steps():
             load_weights_in_place(self.model, weights)
             self._batch.weights_changed()
-            self._batch.forget_prefixes()
+            self._batch.forget_prefixes(self.prefix_max_weight_changes)
             self._lora.forget_base()
             self.policy_version += 1
             return self.policy_version
@@ -665,7 +669,7 @@ class EmbeddedEngine:
         with self._between_steps():
             self._lora.merge(self.model, name, path)
             self._batch.weights_changed()
-            self._batch.forget_prefixes()
+            self._batch.forget_prefixes(self.prefix_max_weight_changes)
             self.policy_version += 1
             return self.policy_version
 
@@ -682,7 +686,7 @@ class EmbeddedEngine:
         with self._between_steps():
             self.model.eval()
             self._batch.weights_changed()
-            self._batch.forget_prefixes()
+            self._batch.forget_prefixes(self.prefix_max_weight_changes)
             self.policy_version += 1
             return self.policy_version
 

@@ -90,6 +90,7 @@ def start_embedded_serving(
         owns_weights=policy is None,
         enable_prefix_caching=rollout.enable_prefix_caching,
         prefill_chunk_tokens=rollout.max_num_batched_tokens,
+        prefix_max_weight_changes=stale_prefix_bound(config),
     )
     name = served_model_name(config)
     app = build_server_app(
@@ -105,6 +106,13 @@ def start_embedded_serving(
         engine.close()
         raise
     return EmbeddedServing(engine, server, name, shares_weights=policy is not None)
+
+
+def stale_prefix_bound(config: AgentRLConfig) -> int:
+    """Weight pushes a parked prefix outlives: the staleness bound with `async_training.reuse_stale_prefixes`,
+    else 0 (every push forgets them)."""
+    run_ahead = config.async_training
+    return run_ahead.staleness_threshold if run_ahead.enable and run_ahead.reuse_stale_prefixes else 0
 
 
 def served_model_name(config: AgentRLConfig) -> str:

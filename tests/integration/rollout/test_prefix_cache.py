@@ -172,6 +172,44 @@ def test_new_weights_forget_every_prefix(model, tokenizer, make_diverse_model):
         engine.close()
 
 
+def test_a_prefix_may_outlive_a_bounded_number_of_weight_changes(model, tokenizer, make_diverse_model):
+    """`prefix_max_weight_changes=1` (asynchronous training's `reuse_stale_prefixes` at staleness 1): after one
+    push the next turn reads its history's keys and values as the old weights computed them, and only its new
+    tokens are computed by the new weights (checked against that forward, done by hand); after a second push
+    the history is computed again."""
+    engine = _engine(model, tokenizer, prefix_max_weight_changes=1)
+    try:
+        first_prompt = _prompt(tokenizer, "What is 2+3?")
+        first = _generate(engine, first_prompt)
+        other = make_diverse_model(seed=5)
+        engine.update_weights(other.state_dict())
+        before = engine.stats()["prefix_cache_hits"]
+        second_prompt = _next_turn(tokenizer, first_prompt, first, "And 4+4?")
+        second = _generate(engine, second_prompt)
+        reused = engine.stats()["prefix_cache_hits"] - before
+        assert reused == len(first_prompt) + len(first.token_ids) - 1  # all the history the slot held
+        with torch.no_grad():  # the old weights' cache of the history, then the new weights over the rest
+            history = model(torch.tensor([second_prompt[:reused]]), use_cache=True).past_key_values
+            rest = second_prompt[reused:] + second.token_ids[:-1]
+            logits = other(torch.tensor([rest]), past_key_values=history).logits[0].float()
+        new_tokens = len(second_prompt) - reused
+        expected = torch.log_softmax(logits[new_tokens - 1 :], -1).gather(
+            1, torch.tensor(second.token_ids)[:, None]
+        )
+        assert (expected[:, 0] - torch.tensor(second.logprobs)).abs().max().item() < 1e-4
+        assert _gap(other, second_prompt, second) > 1e-3  # the old history really was read
+
+        third_prompt = _next_turn(tokenizer, first_prompt, first, "And 5+5?")  # parked before both pushes
+        engine.update_weights(make_diverse_model(seed=6).state_dict())
+        engine.update_weights(other.state_dict())
+        before = engine.stats()["prefix_cache_hits"]
+        third = _generate(engine, third_prompt)
+        assert engine.stats()["prefix_cache_hits"] == before
+        assert _gap(other, third_prompt, third) < 1e-4
+    finally:
+        engine.close()
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_that_attend_to_each_other(model, tokenizer):
     engine = _engine(model, tokenizer, prefill_chunk_tokens=16)
     try:

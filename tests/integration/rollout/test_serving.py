@@ -40,3 +40,28 @@ def test_push_then_fingerprint_and_probe_match_the_trainer(setup):
     [result] = backend.probe(prompt, 4)
     assert result.url == backend.url and len(result.token_ids) == len(result.logprobs) == 4
     assert check_probe(model, prompt, [result], tolerance=1e-3) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "bound"),
+    [
+        ([], 0),
+        (["async_training.enable=true", "async_training.staleness_threshold=2"], 0),
+        (
+            [
+                "async_training.enable=true",
+                "async_training.staleness_threshold=2",
+                "async_training.reuse_stale_prefixes=true",
+            ],
+            2,
+        ),
+    ],
+)
+def test_the_engine_keeps_stale_prefixes_only_within_the_staleness_bound_when_asked(overrides, bound):
+    config = load_config(["actor_rollout_ref.model.path=tiny:qwen2-mini", *overrides])
+    path = resolve_model_path(config.actor_rollout_ref.model.path)
+    backend = start_policy_serving(path, load_tokenizer(path), config, device="cpu")
+    try:
+        assert backend.engine.prefix_max_weight_changes == bound
+    finally:
+        backend.stop()

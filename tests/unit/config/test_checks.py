@@ -136,6 +136,18 @@ from agentrl.config import validate_config
             ["actor_rollout_ref.rollout.temperature=0.0 samples training episodes greedily", "set it > 0"],
         ),
         ({"sft.stop_accuracy": 0.5}, ["sft.stop_accuracy=0.5 needs held-out rows", "sft.val_rows=0"]),
+        (
+            {"async_training.reuse_stale_prefixes": True},
+            ["async_training.reuse_stale_prefixes=true with enable=false", "set reuse_stale_prefixes=false"],
+        ),
+        (
+            {
+                "async_training.reuse_stale_prefixes": True,
+                "async_training.enable": True,
+                "actor_rollout_ref.rollout.name": "vllm",
+            },
+            ["actor_rollout_ref.rollout.name=vllm: only the embedded engine keeps prefixes"],
+        ),
     ],
 )
 def test_broken_rule_names_keys_and_fix(problems_for, dotted, fragments):
