@@ -156,17 +156,24 @@ def test_an_evicted_prefix_is_recomputed_not_read(model, tokenizer):
         engine.close()
 
 
+def _next_turn_after_a_push(engine, tokenizer, other):
+    """A first turn, new weights `other` pushed, then the next turn: (first prompt, first answer, second prompt,
+    second answer, prompt tokens the second read from the prefix cache)."""
+    first_prompt = _prompt(tokenizer, "What is 2+3?")
+    first = _generate(engine, first_prompt)
+    engine.update_weights(other.state_dict())
+    before = engine.stats()["prefix_cache_hits"]
+    second_prompt = _next_turn(tokenizer, first_prompt, first, "And 4+4?")
+    second = _generate(engine, second_prompt)
+    return first_prompt, first, second_prompt, second, engine.stats()["prefix_cache_hits"] - before
+
+
 def test_new_weights_forget_every_prefix(model, tokenizer, make_diverse_model):
     engine = _engine(model, tokenizer)
     try:
-        first_prompt = _prompt(tokenizer, "What is 2+3?")
-        first = _generate(engine, first_prompt)
         other = make_diverse_model(seed=5)
-        engine.update_weights(other.state_dict())
-        before = engine.stats()["prefix_cache_hits"]
-        second_prompt = _next_turn(tokenizer, first_prompt, first, "And 4+4?")
-        second = _generate(engine, second_prompt)
-        assert engine.stats()["prefix_cache_hits"] == before
+        _, _, second_prompt, second, reused = _next_turn_after_a_push(engine, tokenizer, other)
+        assert reused == 0
         assert _gap(other, second_prompt, second) < 1e-4
     finally:
         engine.close()
@@ -179,14 +186,8 @@ def test_a_prefix_may_outlive_a_bounded_number_of_weight_changes(model, tokenize
     the history is computed again."""
     engine = _engine(model, tokenizer, prefix_max_weight_changes=1)
     try:
-        first_prompt = _prompt(tokenizer, "What is 2+3?")
-        first = _generate(engine, first_prompt)
         other = make_diverse_model(seed=5)
-        engine.update_weights(other.state_dict())
-        before = engine.stats()["prefix_cache_hits"]
-        second_prompt = _next_turn(tokenizer, first_prompt, first, "And 4+4?")
-        second = _generate(engine, second_prompt)
-        reused = engine.stats()["prefix_cache_hits"] - before
+        first_prompt, first, second_prompt, second, reused = _next_turn_after_a_push(engine, tokenizer, other)
         assert reused == len(first_prompt) + len(first.token_ids) - 1  # all the history the slot held
         with torch.no_grad():  # the old weights' cache of the history, then the new weights over the rest
             history = model(torch.tensor([second_prompt[:reused]]), use_cache=True).past_key_values

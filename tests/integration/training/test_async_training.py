@@ -40,6 +40,16 @@ def odd_length(task, episode):
     return float(len(episode.answer or "") % 2)
 
 
+def _versions(run_dir: Path, step_number: int) -> list[int]:
+    """The policy version of every model call in the saved rollouts of one training step."""
+    return [
+        step["policy_version"]
+        for record in read_rollouts(run_dir, step=step_number)
+        for trajectory in record["trajectories"]
+        for step in trajectory["steps"]
+    ]
+
+
 def _train(run_dir: Path, rows, *extra: str) -> list[dict]:
     overrides = [
         "actor_rollout_ref.model.path=tiny:qwen2-mini",
@@ -82,23 +92,12 @@ def test_rollouts_run_ahead_by_at_most_the_staleness_threshold(tmp_path: Path, r
     merged = sum(r["batch/merged_steps"] for r in history)
     assert merged == 16
     assert sum(r["gateway/continued_turns"] for r in history) >= merged
-    versions = [
-        step["policy_version"]
-        for step_number in (2, 3, 4)
-        for record in read_rollouts(tmp_path / "run", step=step_number)
-        for trajectory in record["trajectories"]
-        for step in trajectory["steps"]
-    ]
+    versions = [v for step_number in (2, 3, 4) for v in _versions(tmp_path / "run", step_number)]
     assert versions and all(isinstance(v, int) for v in versions)
     assert "set algorithm.rollout_correction.bypass_mode=true" in caplog.text  # nothing bounds the lag: said
     if not partial_rollout:  # weights change only between batches: one version per step's episodes
         for step_number in (2, 3, 4):
-            seen = {
-                step["policy_version"]
-                for record in read_rollouts(tmp_path / "run", step=step_number)
-                for trajectory in record["trajectories"]
-                for step in trajectory["steps"]
-            }
+            seen = set(_versions(tmp_path / "run", step_number))
             assert len(seen) == 1, seen
 
 
@@ -122,12 +121,7 @@ def test_rollouts_run_ahead_with_the_engine_in_a_ray_worker(tmp_path: Path, rows
     assert sum(r["batch/merged_steps"] for r in history) == 12  # every second turn continued its session
     # Step k trains policy version k (the first push is version 1): its calls were served by version k or k-1.
     for step_number in (1, 2, 3):
-        versions = {
-            step["policy_version"]
-            for record in read_rollouts(tmp_path / "run", step=step_number)
-            for trajectory in record["trajectories"]
-            for step in trajectory["steps"]
-        }
+        versions = set(_versions(tmp_path / "run", step_number))
         assert versions and versions <= {step_number - 1, step_number}, (step_number, versions)
 
 
