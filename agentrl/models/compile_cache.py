@@ -8,6 +8,10 @@ folder, which cluster jobs and containers start empty. `use_compile_cache` point
 artifact depends on: torch and Triton versions, the device, the model's architecture and dtype. A changed
 model shape, dtype, torch or GPU gets a new folder, so nothing stale is ever offered; Inductor's own cache
 keys (the graph, its guards) decide the rest. A user who set `TORCHINDUCTOR_CACHE_DIR` keeps their folder.
+
+Python's own bytecode is the other cache a start-up leans on: an image that ships torch without `.pyc` files
+and sets `PYTHONDONTWRITEBYTECODE` compiles torch's source again in every process (11-15 s of each start on
+an H100 host, docs/benchmarks.md); `uncached_bytecode_warning` says so, with the one command that fixes it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import importlib.util
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +97,30 @@ def use_compile_cache(model_config: Any, dtype: torch.dtype, device: torch.devic
     functorch_config.enable_autograd_cache = True
     logger.info("torch.compile caches in %s", folder)
     return folder
+
+
+def uncached_bytecode_warning(module_file: str | None = None, dont_write: bool | None = None) -> str | None:
+    """A warning when Python has no bytecode for torch and will not write it, so every process compiles
+    torch's source again; None when the bytecode is there or this process writes it.
+
+    `module_file` (one of torch's largest modules by default) and `dont_write` (`sys.dont_write_bytecode`)
+    are parameters so that the check can be tried on a file of one's own."""
+    if module_file is None:
+        import torch._tensor
+
+        module_file = torch._tensor.__file__
+        packages = Path(torch.__file__).parent.parent  # the site-packages folder that holds torch
+    else:
+        packages = Path(module_file).parent
+    dont_write = sys.dont_write_bytecode if dont_write is None else dont_write
+    cached = Path(importlib.util.cache_from_source(module_file))
+    if cached.exists():
+        return None
+    writable = os.access(cached.parent if cached.parent.exists() else Path(module_file).parent, os.W_OK)
+    if not dont_write and writable:
+        return None  # this process writes it and the next one reads it
+    why = "PYTHONDONTWRITEBYTECODE is set" if dont_write else f"{cached.parent} is not writable"
+    return (
+        f"Python has no bytecode for {module_file} and {why}: every process compiles torch's source again "
+        f"(10-15 s of each start on a GPU host). Compile it once: python -m compileall -q -j 0 {packages}"
+    )

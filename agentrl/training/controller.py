@@ -33,6 +33,7 @@ from agentrl.checkpoint import (
 from agentrl.data import RLDataLoader
 from agentrl.data.images import load_image_processor
 from agentrl.evaluator import Evaluator, score_episode
+from agentrl.models.compile_cache import uncached_bytecode_warning
 from agentrl.flow import AgentFlow
 from agentrl.rollout.collector import CollectorLimits, RolloutCollector
 from agentrl.rollout.stack import build_rollout_stack
@@ -214,6 +215,8 @@ class Controller:
     def setup(self) -> None:
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if (slow_start := uncached_bytecode_warning()) is not None:
+            log.warning(slow_start)
         device = (
             cfg.trainer.device
             if cfg.trainer.device != "auto"

@@ -75,3 +75,26 @@ def test_a_second_process_reuses_the_first_ones_compiled_graph(tmp_path):
     assert run() == "hits 0 misses 1"
     assert run() == "hits 1 misses 0"
     assert len(list((tmp_path / "compile").iterdir())) == 1
+
+
+def test_a_start_without_bytecode_for_torch_is_named_with_its_fix(tmp_path):
+    import importlib.util
+    import py_compile
+
+    from agentrl.models.compile_cache import uncached_bytecode_warning
+
+    module = tmp_path / "big_module.py"
+    module.write_text("x = 1\n")
+    warning = uncached_bytecode_warning(str(module), dont_write=True)
+    assert warning is not None
+    assert str(module) in warning and "PYTHONDONTWRITEBYTECODE" in warning
+    assert f"python -m compileall -q -j 0 {tmp_path}" in warning
+    assert uncached_bytecode_warning(str(module), dont_write=False) is None  # this process would write it
+    if os.geteuid() != 0:  # root writes anywhere
+        tmp_path.chmod(0o555)
+        try:
+            assert "not writable" in uncached_bytecode_warning(str(module), dont_write=False)
+        finally:
+            tmp_path.chmod(0o755)
+    py_compile.compile(str(module), cfile=importlib.util.cache_from_source(str(module)))
+    assert uncached_bytecode_warning(str(module), dont_write=True) is None
