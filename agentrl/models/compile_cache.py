@@ -17,9 +17,9 @@ an H100 host, docs/benchmarks.md); `uncached_bytecode_warning` says so, with the
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
-import importlib.util
 import os
 import sys
 from pathlib import Path

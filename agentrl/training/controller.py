@@ -33,8 +33,8 @@ from agentrl.checkpoint import (
 from agentrl.data import RLDataLoader
 from agentrl.data.images import load_image_processor
 from agentrl.evaluator import Evaluator, score_episode
-from agentrl.models.compile_cache import uncached_bytecode_warning
 from agentrl.flow import AgentFlow
+from agentrl.models.compile_cache import uncached_bytecode_warning
 from agentrl.rollout.collector import CollectorLimits, RolloutCollector
 from agentrl.rollout.stack import build_rollout_stack
 from agentrl.runs.rollout_writer import ROLLOUTS_DIR, RolloutLog, config_hash
