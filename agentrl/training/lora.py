@@ -1,8 +1,9 @@
 """LoRA through peft: wrap the actor, and produce the weights the rollout engine serves.
 
 Only adapter parameters are trained when `actor_rollout_ref.model.lora_rank > 0`. The reference policy is the
-same model with its adapter disabled, so LoRA needs no second copy of the base weights. The weights the
-engine serves (adapters merged) come from `agentrl.training.parallel.served_weights`.
+same model with its adapter disabled, so LoRA needs no second copy of the base weights. Each adapted linear
+layer runs fused (`lora_fused.py`: one autograd function, in the input's dtype). The weights the engine serves
+(adapters merged) come from `agentrl.training.parallel.served_weights`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
+
+from agentrl.training.lora_fused import fuse_lora_layers, is_fused
 
 # `all-linear` on a vision-language model: the language model's linear layers only (not the vision tower).
 _LANGUAGE_MODEL_LINEAR = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -35,7 +38,9 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: int, target_modules:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)
+    fuse_lora_layers(model)
+    return model
 
 
 def is_lora_model(model: torch.nn.Module) -> bool:
@@ -50,12 +55,15 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
 
 
 def low_precision_base_dtype(model: torch.nn.Module) -> torch.dtype | None:
-    """The base weights' dtype when float32 adapters (peft's default) sit on a bfloat16/float16 base, else None.
+    """The base weights' dtype when float32 adapters (peft's default) sit on a bfloat16/float16 base and some
+    adapted layer runs peft's own forward (not fused), else None.
 
     A sharded model under FSDP mixed precision casts every parameter, adapters included, to its compute dtype,
     and its parameters all share the master dtype here: None."""
     if not is_lora_model(model):
         return None
+    if all(is_fused(m) for m in model.modules() if hasattr(m, "lora_A")):
+        return None  # the fused layers compute in the input's dtype already
     base, adapters = set(), set()
     for name, param in model.named_parameters():
         (adapters if "lora_" in name else base).add(param.dtype)

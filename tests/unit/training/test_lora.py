@@ -1,10 +1,13 @@
-"""LoRA on vision-language models: `all-linear` adapts the language model's linear layers, never the vision tower."""
+"""LoRA: `all-linear` on vision-language models adapts the language model only; fused adapted layers equal peft's."""
+
+import copy
 
 import pytest
 import torch
 
 from agentrl.models import load_causal_lm
-from agentrl.training.lora import apply_lora
+from agentrl.training.lora import adapters_disabled, apply_lora, low_precision_base_dtype
+from agentrl.training.lora_fused import is_fused, lora_linear
 
 _LANGUAGE_PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
@@ -23,49 +26,81 @@ def test_all_linear_on_a_vision_language_model_adapts_only_the_language_model(sp
     assert trainable and all("lora_" in n for n in trainable)
 
 
-def _adapter_input_dtypes(model) -> list[torch.dtype]:
-    seen = []
-    for module in model.modules():
-        if hasattr(module, "lora_A"):
-            module.lora_A["default"].register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
-    return seen
+def _lora_model(dtype: str = "float32"):
+    model = apply_lora(
+        load_causal_lm("tiny:qwen2", dtype=dtype), rank=4, alpha=8, target_modules="all-linear"
+    )
+    for name, param in model.named_parameters():  # nonzero B, so the adapters change the output
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+def _with_peft_forward(model):
+    """The same model, each adapted layer running peft's own forward again."""
+    twin = copy.deepcopy(model)
+    for module in twin.modules():
+        if is_fused(module):
+            del module.forward
+    return twin
+
+
+def _logits_and_grads(model, ids):
+    model.zero_grad()
+    logits = model(input_ids=ids).logits
+    logits.float().logsumexp(-1).sum().backward()
+    return logits.detach().float(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
+
+
+IDS = torch.randint(10, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def test_lora_linear_gradients_match_finite_differences():
+    """Every gradient the fused function returns (input, base weight and bias when trainable, both adapters)."""
+    g = torch.Generator().manual_seed(1)
+    args = [torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True) for shape in
+            ((2, 3, 5), (4, 5), (4,), (2, 5), (4, 2))]  # fmt: skip
+    assert torch.autograd.gradcheck(lambda *a: lora_linear(*a, 1.5), args)
+    x, w, b, a, bb = args
+    expected = x @ w.t() + b + 1.5 * (x @ a.t()) @ bb.t()
+    assert torch.allclose(lora_linear(x, w, b, a, bb, 1.5), expected)
+
+
+def test_fused_layers_give_peft_logits_and_gradients():
+    model = _lora_model()
+    assert sum(is_fused(m) for m in model.modules()) == 7 * model.config.num_hidden_layers
+    fused_logits, fused_grads = _logits_and_grads(model, IDS)
+    peft_logits, peft_grads = _logits_and_grads(_with_peft_forward(model), IDS)
+    assert torch.allclose(fused_logits, peft_logits, atol=1e-5)
+    assert fused_grads.keys() == peft_grads.keys() and all("lora_" in n for n in fused_grads)
+    for name, grad in fused_grads.items():
+        assert torch.allclose(grad, peft_grads[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_disabled_or_merged_adapters_run_peft_forward():
+    model = _lora_model()
+    with torch.no_grad():
+        adapted = model(input_ids=IDS).logits
+        with adapters_disabled(model):
+            base = model(input_ids=IDS).logits
+        assert (adapted - base).abs().max() > 1e-4  # the adapters count ...
+        plain = load_causal_lm("tiny:qwen2")(input_ids=IDS).logits
+        assert torch.allclose(base, plain, atol=1e-6)  # ... and are off when disabled
+        model.merge_adapter()  # the merged weights already hold the adapters: peft's forward adds nothing
+        assert torch.allclose(model(input_ids=IDS).logits, adapted, atol=1e-5)
 
 
 def test_float32_adapters_on_a_bf16_base_compute_in_bf16_and_keep_float32_gradients():
-    """peft keeps adapters in float32 and casts each adapted layer's input up to it; under
-    `adapters_in_base_dtype` the inputs stay bf16 (autocast multiplies in bf16), gradients reach the float32
-    adapters in float32, and the log-probs agree with the float32-adapter path to bf16's precision."""
-    from agentrl.training.lora import adapters_in_base_dtype, low_precision_base_dtype
-
-    model = apply_lora(
-        load_causal_lm("tiny:qwen2", dtype="bfloat16"), rank=4, alpha=8, target_modules="all-linear"
-    )
-    assert low_precision_base_dtype(model) == torch.bfloat16
-    for name, param in model.named_parameters():  # nonzero B, so the adapters change the output
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.02)
-    ids = torch.randint(10, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
-    seen = _adapter_input_dtypes(model)
-
-    plain = model(input_ids=ids).logits.float()
-    assert set(seen) == {torch.float32}  # peft's own path: every adapter input copied to float32
-    seen.clear()
-    with adapters_in_base_dtype(model):
-        mixed = model(input_ids=ids).logits.float()
-    assert set(seen) == {torch.bfloat16} and len(seen) == 7 * model.config.num_hidden_layers
-    assert (mixed - plain).abs().max() < 0.05 * plain.abs().max()
-    mixed.logsumexp(-1).sum().backward()
-    grads = [p.grad for n, p in model.named_parameters() if "lora_" in n]
-    assert grads and all(g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads)
-
-    seen.clear()
-    model(input_ids=ids)  # outside the context peft's casting is back
-    assert set(seen) == {torch.float32}
-    full = load_causal_lm("tiny:qwen2", dtype="bfloat16")
-    assert low_precision_base_dtype(full) is None  # not LoRA: nothing to do
-    assert (
-        low_precision_base_dtype(
-            apply_lora(load_causal_lm("tiny:qwen2"), rank=4, alpha=8, target_modules="all-linear")
-        )
-        is None
-    )
+    """peft keeps adapters in float32 and would copy each adapted layer's bf16 input to float32; the fused
+    layers multiply in bf16, gradients reach the float32 adapters in float32, and the logits agree with peft's
+    float32-adapter path to bf16's precision."""
+    model = _lora_model("bfloat16")
+    assert low_precision_base_dtype(model) is None  # every adapted layer is fused: no autocast needed
+    fused_logits, grads = _logits_and_grads(model, IDS)
+    peft_logits, _ = _logits_and_grads(_with_peft_forward(model), IDS)
+    assert (fused_logits - peft_logits).abs().max() < 0.05 * peft_logits.abs().max()
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert lora and all(p.dtype == torch.float32 for p in lora)
+    assert grads and all(g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads.values())
