@@ -68,7 +68,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         "--threads",
         type=int,
         default=None,
-        help="torch threads of the embedded engine (CPU); default: the cores this process may use, less one",
+        help="torch threads of the embedded engine (CPU); default: the cores this process may use",
     )
     p.add_argument("--log-dir", default="outputs/serve_logs", help="vLLM server logs")
     p.add_argument("--startup-timeout", type=float, default=300.0)
@@ -102,12 +102,13 @@ def _check_bind(host: str, port: int) -> str | None:
 
 
 def engine_threads() -> int:
-    """Torch threads for an embedded engine on the CPU: every core this process may use but one. The engine's
-    thread shares the process with the gateway's and the server's event loops; with as many compute threads
-    as cores, each parallel op waited for a thread the event loops had taken off its core (on 2 cores, vLLM's
-    serving benchmark got 2.95 requests/s with 2 threads and 14.47 with 1). vLLM's CPU backend keeps a core
-    for its API server likewise."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    """Torch threads for an embedded engine on the CPU: every core this process may use. On 2 cores, vLLM's
+    serving benchmark (`benchmarks/serve_vs_vllm.py`, twentieth session, paired rounds) served 43.9-62.6
+    requests/s with 2 threads against 34.2-52.1 with 1: the gateway's and the server's event loops take about a
+    third of a core, and the engine's memory-bound attention gains more from the second core's bandwidth than it
+    loses to them. (At b7a8983 the opposite held, 2.95 against 14.47 requests/s, with an engine that woke each
+    request's loop per token; so the default left a core free until then.)"""
+    return max(1, len(os.sched_getaffinity(0)))
 
 
 def _one_line(error: BaseException) -> str:

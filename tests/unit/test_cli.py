@@ -262,10 +262,10 @@ def test_serve_start_up_errors_are_one_line_and_status_2(tmp_path):
     assert "unknown tiny preset 'no-such-preset'" in result.stderr
 
 
-def test_serve_threads_default_leaves_a_core_to_the_event_loops_and_refuses_zero(tmp_path):
+def test_serve_threads_default_to_the_usable_cores_and_zero_is_refused(tmp_path):
     from agentrl.cli.serve import _parse_args, engine_threads
 
-    assert engine_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert engine_threads() == len(os.sched_getaffinity(0))
     assert _parse_args(["--model", "tiny:qwen2", "--threads", "3"]).threads == 3
     assert _parse_args(["--model", "tiny:qwen2", "--max-num-seqs", "32"]).max_num_seqs == 32
     result = _agentrl("serve", "--model", "tiny:qwen2", "--threads", "0", cwd=tmp_path)
