@@ -10,7 +10,7 @@ model shape, dtype, torch or GPU gets a new folder, so nothing stale is ever off
 keys (the graph, its guards) decide the rest. A user who set `TORCHINDUCTOR_CACHE_DIR` keeps their folder.
 
 Python's own bytecode is the other cache a start-up leans on: an image that ships torch without `.pyc` files
-and sets `PYTHONDONTWRITEBYTECODE` compiles torch's source again in every process (11-15 s of each start on
+and sets `PYTHONDONTWRITEBYTECODE` compiles torch's source again in every process (5-11 s of each start on
 an H100 host, docs/benchmarks.md); `uncached_bytecode_warning` says so, with the one command that fixes it.
 """
 
@@ -122,5 +122,5 @@ def uncached_bytecode_warning(module_file: str | None = None, dont_write: bool |
     why = "PYTHONDONTWRITEBYTECODE is set" if dont_write else f"{cached.parent} is not writable"
     return (
         f"Python has no bytecode for {module_file} and {why}: every process compiles torch's source again "
-        f"(10-15 s of each start on a GPU host). Compile it once: python -m compileall -q -j 0 {packages}"
+        f"(5-11 s of each start on a GPU host). Compile it once: python -m compileall -q -j 0 {packages}"
     )
