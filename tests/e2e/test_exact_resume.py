@@ -46,9 +46,13 @@ EPISODES_PER_STEP = 8 * 4  # data.train_batch_size x actor_rollout_ref.rollout.n
 # Not compared: wall-clock numbers; the engine's own log-probs, which it computes over whichever concurrent
 # requests it batched together, so they differ in the last float bits between any two runs (step 1 of two
 # uninterrupted runs already differs; training uses the actor's recomputed log-probs, compared through the
-# losses); and the rollout's policy version, a count of weight pushes in this process that restarts on
-# resume (a known gap: the rollout backends take no version to start from).
-_NOT_COMPARED = ("timing/", "perf/", "timing_s/", "rollout/logprob_diff_", "rollout/policy_version")
+# losses), and what is computed from them (`rollout/logprob_diff_*`, and `rollout_corr/*`: the trainer's
+# old log-probs against the engine's, e.g. a log-ratio mean of -2.9e-8 against -2.0e-8 in one CI run); and the
+# rollout's policy version, a count of weight pushes in this process that restarts on resume (a known gap:
+# the rollout backends take no version to start from).
+_NOT_COMPARED = (
+    "timing/", "perf/", "timing_s/", "rollout/logprob_diff_", "rollout_corr/", "rollout/policy_version",
+)  # fmt: skip
 
 
 def _default_sigint() -> None:
