@@ -95,10 +95,10 @@ def fuse_lora_layers(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module) is LoRALinear:
             module.forward = types.MethodType(_fused_forward, module)
-            module.agentrl_fused = True
             count += 1
     return count
 
 
 def is_fused(module: torch.nn.Module) -> bool:
-    return getattr(module, "agentrl_fused", False)
+    """Whether `module` runs the fused forward (`fuse_lora_layers` gave it one)."""
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _fused_forward

@@ -104,3 +104,24 @@ def test_float32_adapters_on_a_bf16_base_compute_in_bf16_and_keep_float32_gradie
     lora = [p for n, p in model.named_parameters() if "lora_" in n]
     assert lora and all(p.dtype == torch.float32 for p in lora)
     assert grads and all(g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads.values())
+
+
+def test_layers_on_peft_forward_compute_in_the_base_dtype_under_adapters_in_base_dtype():
+    """Adapted layers the fused path does not cover run peft's forward, which copies each bf16 input to the
+    float32 adapters' dtype; `adapters_in_base_dtype` keeps those inputs bf16 and the gradients float32."""
+    from agentrl.training.lora import adapters_in_base_dtype
+
+    model = _with_peft_forward(_lora_model("bfloat16"))
+    assert low_precision_base_dtype(model) == torch.bfloat16
+    seen = []
+    for module in model.modules():
+        if hasattr(module, "lora_A"):
+            module.lora_A["default"].register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
+    with torch.no_grad():
+        model(input_ids=IDS)
+    assert set(seen) == {torch.float32}  # peft's own path: every adapter input copied to float32
+    seen.clear()
+    with adapters_in_base_dtype(model):
+        _, grads = _logits_and_grads(model, IDS)
+    assert set(seen) == {torch.bfloat16} and len(seen) == 7 * model.config.num_hidden_layers
+    assert grads and all(g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads.values())
