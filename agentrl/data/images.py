@@ -9,7 +9,8 @@ engine and training alike, so the pixels training sees are the ones the engine s
    within `min_pixels`/`max_pixels`, PIL bicubic). qwen-vl-utils is used where it imports; it imports
    torchvision at module level, which has no CPU build here, so the same rules are written out below
    (tests/unit/data/test_images.py shows the two give identical pixels);
-3. `encode_data_url`: the resized image as a PNG data URL, the reference traces keep;
+3. `encode_data_url`: the resized image as a PNG data URL, the reference traces keep (`resized_data_url`
+   does 1-3 for a request's image, once per picture: a GRPO group sends the same one n times);
 4. `build_pixel_inputs`: the processor's `pixel_values` and `image_grid_thw` from resized images
    (`do_resize=False`: the image already has its final size), cached by content so the trainer
    reuses the engine's tensors in one process and recomputes identical ones in another.
@@ -106,8 +107,10 @@ def load_image(ref: Any, where: str = "image") -> Image.Image:
     return _to_rgb(Image.open(path))
 
 
+@functools.cache
 def _fetch_with_qwen_vl_utils():
-    """qwen-vl-utils' `fetch_image`, or None where it does not import (no torchvision)."""
+    """qwen-vl-utils' `fetch_image`, or None where it does not import (no torchvision); tried once, since a
+    failed import is not cached by Python and would run again for every image."""
     try:
         from qwen_vl_utils import fetch_image
     except Exception:  # ImportError, or torchvision failing to load its operators
@@ -125,9 +128,20 @@ def resize_image(image: Image.Image, *, patch_size: int, merge_size: int, min_pi
     return image.resize((width, height))  # PIL's default resampling for RGB: bicubic, as qwen-vl-utils
 
 
-def resize_for_processor(image: Image.Image, image_processor: Any) -> Image.Image:
-    """`resize_image` with the patch size, merge size and pixel bounds of a Qwen2-VL image processor."""
-    return resize_image(image, **processor_resize_settings(image_processor))
+def resized_data_url(ref: Any, image_processor: Any, where: str = "image") -> str:
+    """The PNG data URL of `ref` resized for `image_processor` (what the engine reads and traces keep).
+
+    A `data:` reference is cached by its content: the n answers of a GRPO group send the same picture n
+    times, and decoding, resizing and re-encoding it is most of a request's host time.
+    """
+    settings = processor_resize_settings(image_processor)
+
+    def make() -> str:
+        return encode_data_url(resize_image(load_image(ref, where), **settings))
+
+    if not (isinstance(ref, str) and ref.startswith("data:")):
+        return make()
+    return _RESIZED_URLS.get_or_make((*settings.values(), hashlib.sha256(ref.encode()).hexdigest()), make)
 
 
 def processor_resize_settings(image_processor: Any) -> dict[str, int]:
@@ -157,8 +171,26 @@ def load_image_processor(model_path: str) -> Any:
     return load_processor(model_path).image_processor
 
 
-_PIXEL_CACHE: OrderedDict[tuple[int, str], dict[str, Any]] = OrderedDict()
-_PIXEL_CACHE_SIZE = 512
+class _Recent:
+    """A map of at most `size` entries that forgets the least recently used one."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: OrderedDict[Any, Any] = OrderedDict()
+
+    def get_or_make(self, key: Any, make: Any) -> Any:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key]
+        value = self.entries[key] = make()
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return value
+
+
+_PIXEL_INPUTS = _Recent(512)
+_RESIZED_URLS = _Recent(512)
+_FILE_URLS = _Recent(512)
 
 
 def build_pixel_inputs(image_processor: Any, images: list[str]) -> dict[str, Any]:
@@ -172,16 +204,12 @@ def build_pixel_inputs(image_processor: Any, images: list[str]) -> dict[str, Any
 
     values, grids = [], []
     for url in images:
-        key = (id(image_processor), hashlib.sha256(url.encode()).hexdigest())
-        hit = _PIXEL_CACHE.get(key)
-        if hit is None:
+
+        def make(url: str = url) -> dict[str, Any]:
             out = image_processor(images=[load_image(url)], do_resize=False, return_tensors="pt")
-            hit = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-            _PIXEL_CACHE[key] = hit
-            while len(_PIXEL_CACHE) > _PIXEL_CACHE_SIZE:
-                _PIXEL_CACHE.popitem(last=False)
-        else:
-            _PIXEL_CACHE.move_to_end(key)
+            return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+        hit = _PIXEL_INPUTS.get_or_make((id(image_processor), hashlib.sha256(url.encode()).hexdigest()), make)
         values.append(hit["pixel_values"])
         grids.append(hit["image_grid_thw"])
     return {"pixel_values": torch.cat(values), "image_grid_thw": torch.cat(grids).long()}
@@ -257,7 +285,21 @@ def _image_part(ref: Any, where: str) -> dict[str, Any]:
         ref = inner.get("url") if isinstance(inner, dict) else inner
     if isinstance(ref, str) and ref.startswith("data:image"):
         return {"type": "image_url", "image_url": {"url": ref}}
-    return {"type": "image_url", "image_url": {"url": encode_data_url(load_image(ref, where))}}
+    return {"type": "image_url", "image_url": {"url": _file_data_url(ref, where)}}
+
+
+def _file_data_url(ref: Any, where: str) -> str:
+    """`ref` as a PNG data URL; a file is encoded once per version (path, size, modification time), since
+    every answer of a group sends the same picture."""
+    path = ref.removeprefix("file://") if isinstance(ref, str) and not ref.startswith("data:") else None
+    try:
+        stat = Path(path).stat() if path else None
+    except OSError:  # missing or unreadable: load_image says so, naming `where`
+        stat = None
+    if stat is None:
+        return encode_data_url(load_image(ref, where))
+    key = (str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+    return _FILE_URLS.get_or_make(key, lambda: encode_data_url(load_image(ref, where)))
 
 
 def has_image_parts(messages: Any) -> bool:

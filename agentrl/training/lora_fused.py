@@ -5,7 +5,7 @@ every adapted layer's input to float32, and autograd adds a full-size multiply a
 again backward. Over a 0.5B model's 168 adapted layers that made a LoRA update 1.45x a full fine-tuning update
 on an H100 (docs/benchmarks.md), where skipping the frozen weights' gradients should make it cheaper.
 
-Here y = x W^T + b + (x A^T)(s B)^T: the adapter product is added by the GEMM that computes it (`addmm`), the
+Here y = x W^T + b + (x A^T)(s B)^T: the adapter product is added in place by the GEMM that computes it (`addmm_`), the
 scaling sits on the small (out, r) matrix, the adapters are cast to the input's dtype (they keep float32
 weights, gradients and optimizer state), and backward computes only what is trained:
   g = dy (s B),  dx = dy W + g A,  dA = g^T x,  dB = s dy^T (x A^T)
@@ -30,7 +30,7 @@ class _LoRALinear(torch.autograd.Function):
         b = (lora_b * scaling).to(x.dtype)
         flat = x.reshape(-1, x.shape[-1])
         h = flat @ a.t()
-        y = torch.addmm(F.linear(flat, weight, bias), h, b.t())
+        y = F.linear(flat, weight, bias).addmm_(h, b.t())  # in place: `addmm` would first copy the output
         ctx.save_for_backward(flat, h, weight, a, b)
         ctx.scaling = scaling
         ctx.input_shape = x.shape
@@ -45,7 +45,7 @@ class _LoRALinear(torch.autograd.Function):
         g = dy @ b
         dx = dweight = dbias = da = db = None
         if ctx.needs_input_grad[0]:
-            dx = torch.addmm(dy @ weight, g, a).view(ctx.input_shape)
+            dx = (dy @ weight).addmm_(g, a).view(ctx.input_shape)
         if ctx.needs_input_grad[1]:
             dweight = (dy.t() @ flat).to(weight.dtype)
         if ctx.needs_input_grad[2]:

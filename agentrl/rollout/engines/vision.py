@@ -27,13 +27,7 @@ from typing import Any
 
 import torch
 
-from agentrl.data.images import (
-    build_pixel_inputs,
-    count_image_tokens,
-    encode_data_url,
-    load_image,
-    resize_for_processor,
-)
+from agentrl.data.images import build_pixel_inputs, count_image_tokens, resized_data_url
 from agentrl.rollout.engines._slot_decode import PackedVision, text_config
 
 IMAGE_PART_TYPES = ("image_url", "image")
@@ -108,9 +102,7 @@ def build_image_prompt(
     `refs` are (field, reference) pairs as `collect_image_refs` gives them; a reference that does not
     load raises ValueError naming its field.
     """
-    images = [
-        encode_data_url(resize_for_processor(load_image(ref, field), image_processor)) for field, ref in refs
-    ]
+    images = [resized_data_url(ref, image_processor, field) for field, ref in refs]
     pads = [k for k, t in enumerate(prompt_ids) if t == image_token_id]
     if len(pads) != len(images):
         raise ValueError(

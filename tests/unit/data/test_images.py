@@ -144,3 +144,49 @@ def test_remote_images_are_refused_naming_row_and_field():
     mismatch = {**row, "images": [_picture(10, 10), _picture(10, 10)]}
     with pytest.raises(DatasetError, match="has 2 images but prompt has 1 <image>"):
         validate_row(mismatch, 0, "rows")
+
+
+def test_a_changed_file_is_read_again_and_a_missing_one_names_its_row(tmp_path):
+    """Files are encoded once per version: rewriting the picture at the same path gives the new pixels."""
+    path = tmp_path / "a.png"
+    first, second = _picture(40, 30), _picture(30, 40)
+    first.save(path)
+
+    def url() -> str:
+        return build_image_messages([{"role": "user", "content": "<image>"}], [str(path)], "row 0")[0][
+            "content"
+        ][0]["image_url"]["url"]
+
+    assert url() == url() == encode_data_url(first)
+    second.save(path)
+    assert np.array_equal(np.asarray(load_image(url())), np.asarray(second))
+    path.unlink()
+    with pytest.raises(FileNotFoundError, match="row 0: field 'images\\[0\\]'"):
+        url()
+
+
+def test_resized_data_urls_are_cached_per_picture_and_processor_settings():
+    """A group's n requests send one picture n times: resized once per processor setting, same pixels."""
+    import agentrl.data.images as images
+
+    picture = _picture(100, 70)
+    url = encode_data_url(picture)
+
+    class Processor:  # the four settings resized_data_url reads from a Qwen2-VL image processor
+        patch_size, merge_size, min_pixels = 14, 2, 56 * 56
+
+        def __init__(self, max_pixels: int) -> None:
+            self.max_pixels = max_pixels
+
+    small, large = Processor(56 * 56), Processor(224 * 224)
+    before = len(images._RESIZED_URLS.entries)
+    once = images.resized_data_url(url, small)
+    assert images.resized_data_url(url, small) is once  # the cached string itself
+    assert len(images._RESIZED_URLS.entries) == before + 1
+    expected = resize_image(picture, patch_size=14, merge_size=2, min_pixels=56 * 56, max_pixels=56 * 56)
+    assert np.array_equal(np.asarray(load_image(once)), np.asarray(expected))
+    other = images.resized_data_url(url, large)
+    assert load_image(other).size != load_image(once).size
+    assert len(images._RESIZED_URLS.entries) == before + 2
+    # A PIL image (no content key without encoding it) is resized each time, and gives the same pixels.
+    assert images.resized_data_url(picture, small) == once
