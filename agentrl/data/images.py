@@ -23,6 +23,7 @@ import functools
 import hashlib
 import io
 import math
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -172,19 +173,24 @@ def load_image_processor(model_path: str) -> Any:
 
 
 class _Recent:
-    """A map of at most `size` entries that forgets the least recently used one."""
+    """A map of at most `size` entries that forgets the least recently used one; the engine's server and the
+    trainer may use it from different threads (a value is made outside the lock: two threads may both make it)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.entries: OrderedDict[Any, Any] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get_or_make(self, key: Any, make: Any) -> Any:
-        if key in self.entries:
-            self.entries.move_to_end(key)
-            return self.entries[key]
-        value = self.entries[key] = make()
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
+        with self._lock:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+                return self.entries[key]
+        value = make()
+        with self._lock:
+            self.entries[key] = value
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
         return value
 
 

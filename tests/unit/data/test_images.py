@@ -190,3 +190,19 @@ def test_resized_data_urls_are_cached_per_picture_and_processor_settings():
     assert len(images._RESIZED_URLS.entries) == before + 2
     # A PIL image (no content key without encoding it) is resized each time, and gives the same pixels.
     assert images.resized_data_url(picture, small) == once
+
+
+def test_recent_map_forgets_the_least_recently_used_entry():
+    from agentrl.data.images import _Recent
+
+    made: list[str] = []
+    recent = _Recent(2)
+
+    def get(key: str) -> str:
+        return recent.get_or_make(key, lambda: made.append(key) or key.upper())
+
+    assert [get("a"), get("b"), get("a")] == ["A", "B", "A"]  # "a" made once, then found
+    get("c")  # over the size: "b", the least recently used, goes
+    assert list(recent.entries) == ["a", "c"]
+    get("b")
+    assert made == ["a", "b", "c", "b"]
