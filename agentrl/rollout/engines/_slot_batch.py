@@ -4,8 +4,9 @@ Each engine row owns a slot: a row of a (slots, kv_heads, length, D) key and val
 where position p of the sequence lives at index p. Admitting requests prefills their prompts once
 (transformers' forward, left-padded together), copies each prompt's keys and values into as many
 slots as it has completions, and returns the logits of their last prompt token. A decode step feeds
-every row's pending token through `decode_step` over the first `bucket` slots (a power of two that
-covers the highest slot in use), replaying the CUDA graph captured for that bucket on CUDA.
+every row's pending token through `decode_step` over the first `bucket` slots (on CUDA a power of two
+that covers the highest slot in use, replaying the CUDA graph captured for that bucket; elsewhere the next
+multiple of 8).
 
 Rows whose sampling needs nothing from the host (no grammar, blocked tokens or top logprobs) can
 decode without a host round trip per token: the slot's token, position, sampling settings and draw
@@ -716,7 +717,12 @@ class SlotBatch:
         return min(self.length, -(-reach // SPAN_STEP) * SPAN_STEP)
 
     def _bucket(self, needed: int) -> int:
-        return min(self.max_slots, max(MIN_BUCKET, _next_power_of_two(needed)))
+        """Rows a step computes: under CUDA graphs a power of two (one graph each, few graphs); without them
+        the next multiple of `MIN_BUCKET`, since every row beyond `needed` is work for nothing (with powers of
+        two up to half the step), while a few more rows keeping one shape keep a row's results the same."""
+        if self.cuda_graphs:
+            return min(self.max_slots, max(MIN_BUCKET, _next_power_of_two(needed)))
+        return min(self.max_slots, -(-needed // MIN_BUCKET) * MIN_BUCKET)
 
     def _graph(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """The graph of a decode step over `bucket` slots, captured with the current inputs (logits out).
