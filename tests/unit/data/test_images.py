@@ -192,7 +192,7 @@ def test_resized_data_urls_are_cached_per_picture_and_processor_settings():
     assert images.resized_data_url(picture, small) == once
 
 
-def test_recent_map_forgets_the_least_recently_used_entry():
+def test_recent_map_forgets_the_least_recently_used_entries_beyond_its_budget():
     from agentrl.data.images import _Recent
 
     made: list[str] = []
@@ -202,7 +202,14 @@ def test_recent_map_forgets_the_least_recently_used_entry():
         return recent.get_or_make(key, lambda: made.append(key) or key.upper())
 
     assert [get("a"), get("b"), get("a")] == ["A", "B", "A"]  # "a" made once, then found
-    get("c")  # over the size: "b", the least recently used, goes
+    get("c")  # over the budget: "b", the least recently used, goes
     assert list(recent.entries) == ["a", "c"]
     get("b")
     assert made == ["a", "b", "c", "b"]
+    # Weighed by size: a budget of 10 characters keeps the newest strings that fit, and always the last one.
+    sized = _Recent(10, len)
+    for text in ("aaaa", "bbbb", "cccc"):
+        sized.get_or_make(text, lambda text=text: text)
+    assert list(sized.entries) == ["bbbb", "cccc"] and sized.used == 8
+    sized.get_or_make("x" * 30, lambda: "x" * 30)
+    assert list(sized.entries) == ["x" * 30] and sized.used == 30
