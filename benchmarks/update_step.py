@@ -7,6 +7,7 @@ the time. Each `--micro-batch` value is its own worker on the same batch, measur
 
     python benchmarks/update_step.py --micro-batch 64 128 --profile      # GPU, Qwen2.5-0.5B shape, bf16
     python benchmarks/update_step.py --model tiny:qwen2 --dtype float32 --device cpu --rows 64 --response 16
+    python benchmarks/update_step.py --micro-batch 64 --lora-rank 32             # LoRA's update against full's
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def measure(args: argparse.Namespace, micro_batch: int) -> dict[str, float]:
             f"actor_rollout_ref.actor.ppo_mini_batch_size={args.rows // args.group}",
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro_batch}",
             "actor_rollout_ref.actor.optim.lr=1e-6",
+            f"actor_rollout_ref.model.lora_rank={args.lora_rank}",
+            f"actor_rollout_ref.model.lora_alpha={2 * max(args.lora_rank, 1)}",
         ]
     )
     worker = PolicyWorker(config, total_steps=args.calls + 1, device=args.device)
@@ -108,6 +111,9 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--calls", type=int, default=3, help="timed calls after one warm-up call")
     parser.add_argument("--no-checkpointing", action="store_true", help="gradient checkpointing off")
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="LoRA adapters of this rank (alpha 2R) on every linear layer"
+    )
     parser.add_argument("--profile", action="store_true", help="profile one more call (CUDA): top kernels")
     parser.add_argument("--profile-rows", type=int, default=25)
     args = parser.parse_args()
