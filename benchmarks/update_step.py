@@ -7,7 +7,7 @@ the time. Each `--micro-batch` value is its own worker on the same batch, measur
 
     python benchmarks/update_step.py --micro-batch 64 128 --profile      # GPU, Qwen2.5-0.5B shape, bf16
     python benchmarks/update_step.py --model tiny:qwen2 --dtype float32 --device cpu --rows 64 --response 16
-    python benchmarks/update_step.py --micro-batch 64 --lora-rank 32             # LoRA's update against full's
+    python benchmarks/update_step.py --micro-batch 64 --lora-rank 32        # LoRA's update against full's
 """
 
 from __future__ import annotations

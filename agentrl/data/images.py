@@ -23,10 +23,10 @@ import functools
 import hashlib
 import io
 import math
-import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from agentrl.recent_map import RecentMap
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -172,37 +172,10 @@ def load_image_processor(model_path: str) -> Any:
     return load_processor(model_path).image_processor
 
 
-class _Recent:
-    """A map within `budget` (the sum of `weigh(value)`, one per entry by default) that forgets the least
-    recently used entries first; the engine's server and the trainer may use it from different threads (a
-    value is made outside the lock: two threads may both make it)."""
-
-    def __init__(self, budget: int, weigh: Any = lambda value: 1) -> None:
-        self.budget = budget
-        self.weigh = weigh
-        self.entries: OrderedDict[Any, Any] = OrderedDict()
-        self.used = 0
-        self._lock = threading.Lock()
-
-    def get_or_make(self, key: Any, make: Any) -> Any:
-        with self._lock:
-            if key in self.entries:
-                self.entries.move_to_end(key)
-                return self.entries[key]
-        value = make()
-        with self._lock:
-            if key not in self.entries:
-                self.entries[key] = value
-                self.used += self.weigh(value)
-            while self.used > self.budget and len(self.entries) > 1:
-                self.used -= self.weigh(self.entries.popitem(last=False)[1])
-        return value
-
-
 _MiB = 1 << 20
-_PIXEL_INPUTS = _Recent(1024 * _MiB, lambda hit: hit["pixel_values"].nbytes)
-_RESIZED_URLS = _Recent(256 * _MiB, len)  # data URLs: a 1,000 x 1,000 picture is ~2 MB of base64
-_FILE_URLS = _Recent(256 * _MiB, len)
+_PIXEL_INPUTS = RecentMap(1024 * _MiB, lambda hit: hit["pixel_values"].nbytes)
+_RESIZED_URLS = RecentMap(256 * _MiB, len)  # data URLs: a 1,000 x 1,000 picture is ~2 MB of base64
+_FILE_URLS = RecentMap(256 * _MiB, len)
 
 
 def build_pixel_inputs(image_processor: Any, images: list[str]) -> dict[str, Any]:

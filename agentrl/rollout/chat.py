@@ -10,11 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import threading
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+from agentrl.recent_map import RecentMap
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 # Special tokens whose text is part of what a model says (tool calls, thinking): they stay in
@@ -113,26 +113,19 @@ class ChatRenderCache:
 
     def __init__(self, tokenizer: Any, size: int = 4096) -> None:
         self.tokenizer, self.size = tokenizer, size
-        self._entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
-        self._lock = threading.Lock()  # the server's routes and the pool's direct calls may be on two loops
-        self.hits = 0
+        self._entries = RecentMap(size)  # the server's routes and the pool's direct calls may be on two loops
+
+    @property
+    def hits(self) -> int:
+        return self._entries.hits
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The prompt ids `render_chat(tokenizer, messages, tools=tools)` gives; a new list each call."""
         text = json.dumps([messages, tools], sort_keys=True, ensure_ascii=False, default=str)
         key = hashlib.blake2b(text.encode(), digest_size=16).digest()
-        with self._lock:
-            cached = self._entries.get(key)
-            if cached is not None:
-                self._entries.move_to_end(key)
-                self.hits += 1
-                return list(cached)
-        prompt_ids = render_chat(self.tokenizer, messages, tools=tools)
-        with self._lock:
-            self._entries[key] = tuple(prompt_ids)
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
-        return prompt_ids
+        return list(
+            self._entries.get_or_make(key, lambda: tuple(render_chat(self.tokenizer, messages, tools=tools)))
+        )
 
 
 def _build_tool_call(payload: Any) -> dict[str, Any]:

@@ -5,9 +5,9 @@ every adapted layer's input to float32, and autograd adds a full-size multiply a
 again backward. Over a 0.5B model's 168 adapted layers that made a LoRA update 1.45x a full fine-tuning update
 on an H100 (docs/benchmarks.md), where skipping the frozen weights' gradients should make it cheaper.
 
-Here y = x W^T + b + (x A^T)(s B)^T: the adapter product is added in place by the GEMM that computes it (`addmm_`), the
-scaling sits on the small (out, r) matrix, the adapters are cast to the input's dtype (they keep float32
-weights, gradients and optimizer state), and backward computes only what is trained:
+Here y = x W^T + b + (x A^T)(s B)^T: the adapter product is added in place by the GEMM that computes it
+(`addmm_`), the scaling sits on the small (out, r) matrix, the adapters are cast to the input's dtype (they
+keep float32 weights, gradients and optimizer state), and backward computes only what is trained:
   g = dy (s B),  dx = dy W + g A,  dA = g^T x,  dB = s dy^T (x A^T)
 (plus dW and db when the base layer itself is trainable). Only vanilla LoRA with one active adapter and no
 dropout takes this path; anything else (disabled or merged adapters, dropout, DoRA, several adapters) runs

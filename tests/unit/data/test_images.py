@@ -190,26 +190,3 @@ def test_resized_data_urls_are_cached_per_picture_and_processor_settings():
     assert len(images._RESIZED_URLS.entries) == before + 2
     # A PIL image (no content key without encoding it) is resized each time, and gives the same pixels.
     assert images.resized_data_url(picture, small) == once
-
-
-def test_recent_map_forgets_the_least_recently_used_entries_beyond_its_budget():
-    from agentrl.data.images import _Recent
-
-    made: list[str] = []
-    recent = _Recent(2)
-
-    def get(key: str) -> str:
-        return recent.get_or_make(key, lambda: made.append(key) or key.upper())
-
-    assert [get("a"), get("b"), get("a")] == ["A", "B", "A"]  # "a" made once, then found
-    get("c")  # over the budget: "b", the least recently used, goes
-    assert list(recent.entries) == ["a", "c"]
-    get("b")
-    assert made == ["a", "b", "c", "b"]
-    # Weighed by size: a budget of 10 characters keeps the newest strings that fit, and always the last one.
-    sized = _Recent(10, len)
-    for text in ("aaaa", "bbbb", "cccc"):
-        sized.get_or_make(text, lambda text=text: text)
-    assert list(sized.entries) == ["bbbb", "cccc"] and sized.used == 8
-    sized.get_or_make("x" * 30, lambda: "x" * 30)
-    assert list(sized.entries) == ["x" * 30] and sized.used == 30

@@ -113,3 +113,24 @@ def test_weight_layout_changes_only_when_a_weight_moves():
     layer = model.model.layers[0].mlp.up_proj
     layer.weight.data = layer.weight.data.clone()
     assert weight_layout(model) != before
+
+
+def test_an_eager_decode_step_computes_the_rows_in_use_rounded_up_to_eight(model):
+    """Without CUDA graphs a step computes up to the highest slot in use rounded up to 8, not a power of two
+    (33 rows computed 64, twice the work); the logits of the rows in use are the same either way."""
+    from agentrl.rollout.engines._slot_batch import SlotBatch
+
+    batch = SlotBatch(model, max_slots=64, max_model_len=128, cuda_graphs=False)
+    computed: list[int] = []
+
+    def recording(*args, **kwargs):
+        computed.append(args[3].shape[0])  # token_ids: one per computed row
+        return decode_step(*args, **kwargs)
+
+    batch._decode_step = recording
+    prompts = [[5 + i % 7, 6, 7] for i in range(33)]
+    batch.admit(prompts, [1] * 33, reserve=8)
+    logits = batch.decode([11] * batch.size)
+    assert computed == [40] and logits.shape[0] == 33
+    tokens = prompts[32] + [11]
+    assert torch.allclose(logits[32], _reference(model, tokens)[-1], atol=1e-4)
