@@ -45,10 +45,10 @@ from agentrl.rollout.engines._slot_decode import (
     DecodeRegions,
     KVShape,
     decode_inputs,
-    decode_layer,
     decode_step,
     extend_step,
     prefill_slots,
+    slot_layer,
     text_config,
 )
 from agentrl.rollout.engines._staging import PinnedStaging
@@ -113,7 +113,7 @@ def compiled_decode_step(backend: Any = "inductor") -> Callable[..., torch.Tenso
     if backend not in _COMPILED:
         regions = DecodeRegions(
             torch.compile(decode_inputs, dynamic=True, backend=backend),
-            torch.compile(decode_layer, dynamic=True, backend=backend),
+            torch.compile(slot_layer, dynamic=True, backend=backend),
         )
         _COMPILED[backend] = functools.partial(decode_step, regions=regions)
     return _COMPILED[backend]

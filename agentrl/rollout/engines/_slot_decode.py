@@ -156,17 +156,31 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _attention_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """SDPA's `attn_mask` from the boolean `visible`: on the CPU an additive mask made once per forward, since
-    SDPA converts a boolean one in every layer's call (measured on one core: a 32-row prefill's attention took
-    23 ms a layer with the boolean mask and 15 ms with this one); elsewhere the boolean as it is."""
-    if visible.device.type != "cpu":
-        return visible
-    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    """A decode step's `attn_mask` from the boolean `visible`: additive on the CPU (`_additive_mask`), elsewhere
+    the boolean as it is (one row of keys per sequence: small)."""
+    return _additive_mask(visible, dtype) if visible.device.type == "cpu" else visible
+
+
+def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA's `attn_mask` from the boolean `visible`, as an additive mask made once per forward: SDPA converts a
+    boolean mask in every layer's call. On one CPU core a 32-row prefill's attention took 23 ms a layer with the
+    boolean mask and 15 ms with this one. On an H100 (0.5B shape, bf16) 32 rows x 64 tokens over 1,024 cached
+    took 9.5 instead of 11.0 ms, 32 prompts of 256 tokens 31.8 instead of 37.9 ms (`benchmarks/prefill_speed.py`)."""
+    blank = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return blank.masked_fill_(~visible, float("-inf"))
+
+
+def _grouped_mask(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """(R, W, S) boolean -> the additive mask of attention with a kv head's query heads as its query rows:
+    (R, 1, groups x W, S), each head group's W rows the same."""
+    rows, width, span = visible.shape
+    mask = _additive_mask(visible, dtype).unsqueeze(1).expand(rows, groups, width, span)
+    return mask.reshape(rows, 1, groups * width, span)
 
 
 def _heads(projected: torch.Tensor, head_dim: int, norm: torch.nn.Module | None) -> torch.Tensor:
-    """(B, 1, heads*D) -> (B, heads, 1, D), with the per-head norm of Qwen3-style attention."""
-    states = projected.view(projected.shape[0], 1, -1, head_dim)
+    """(B, W, heads*D) -> (B, heads, W, D), with the per-head norm of Qwen3-style attention."""
+    states = projected.view(projected.shape[0], projected.shape[1], -1, head_dim)
     if norm is not None:
         states = norm(states)
     return states.transpose(1, 2)
@@ -194,8 +208,8 @@ def decode_inputs(
 
 
 class DecodeRegions(NamedTuple):
-    """The two pieces `decode_step` runs: its inputs (`decode_inputs`) and each decoder layer (`decode_layer`),
-    as plain functions or each compiled once (`compiled_decode_step`)."""
+    """The two pieces `decode_step` runs: its inputs (`decode_inputs`) and each decoder layer (`slot_layer`), as
+    plain functions or each compiled once (`compiled_decode_step`)."""
 
     inputs: Callable[..., tuple[torch.Tensor, ...]]
     layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -234,7 +248,7 @@ def decode_step(
     return model.lm_head(x)[:, 0]
 
 
-def decode_layer(
+def slot_layer(
     layer: torch.nn.Module,
     following_norm: torch.nn.Module,
     hidden: torch.Tensor,
@@ -246,34 +260,47 @@ def decode_layer(
     positions: torch.Tensor,
     visible: torch.Tensor,
     head_dim: int,
+    slot_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer of `decode_step`: `x` is `hidden` after the layer's input norm. Writes the rows' keys
-    and values into this layer's cache at their positions, attends over the first `visible.shape[-1]`
-    positions; returns the residual stream (b, 1, H) and it through `following_norm` (the next layer's input
-    norm, or the final norm), so the residual add and the next norm stay one fused kernel when compiled.
+    """One decoder layer of `decode_step` or `extend_step`: `x` is `hidden` (R, W, H) after the layer's input
+    norm. Writes the rows' keys and values into this layer's cache at their positions, attends over the first
+    `visible.shape[-1]` positions; returns the residual stream and it through `following_norm` (the next layer's
+    input norm, or the final norm), so the residual add and the next norm stay one fused kernel when compiled.
+
+    A decode step (`slot_ids` None): row i is slot i and feeds one token, `positions` (R,). An extend step: row r
+    feeds W tokens at `positions` (R, W) of slot `slot_ids[r]`, and attends to a copy of that slot's cache.
 
     A function of its own so that torch.compile traces one layer and reuses it for all (every layer has the
     same code; the layer's weights are inputs of the compiled graph): tracing a 24-layer step took 33-71 s in
     every process (`benchmarks/decode_compile.py`)."""
     attn = layer.self_attn
-    batch, length = hidden.shape[0], visible.shape[-1]
+    rows, width, length = hidden.shape[0], hidden.shape[1], visible.shape[-1]
     q = _rotate(_heads(attn.q_proj(x), head_dim, getattr(attn, "q_norm", None)), cos, sin)
     k = _rotate(_heads(attn.k_proj(x), head_dim, getattr(attn, "k_norm", None)), cos, sin)
     v = _heads(attn.v_proj(x), head_dim, None)
-    slots = torch.arange(batch, device=hidden.device)
-    keys[slots, :, positions] = k[:, :, 0]
-    values[slots, :, positions] = v[:, :, 0]
+    if slot_ids is None:
+        slots = torch.arange(rows, device=hidden.device)
+        keys[slots, :, positions] = k[:, :, 0]
+        values[slots, :, positions] = v[:, :, 0]
+        cached_keys, cached_values = keys[:rows, :, :length], values[:rows, :, :length]
+    else:
+        slots = slot_ids.unsqueeze(1)
+        keys[slots, :, positions] = k.transpose(1, 2)
+        values[slots, :, positions] = v.transpose(1, 2)
+        cached_keys = keys[:, :, :length].index_select(0, slot_ids)
+        cached_values = values[:, :, :length].index_select(0, slot_ids)
     # Grouped-query attention without repeating keys: a kv head's query heads act as its query rows.
-    grouped = q.reshape(batch, keys.shape[1], -1, head_dim)
+    grouped = q.reshape(rows, keys.shape[1], -1, head_dim)
     out = F.scaled_dot_product_attention(
-        grouped, keys[:batch, :, :length], values[:batch, :, :length], attn_mask=visible, scale=attn.scaling
+        grouped, cached_keys, cached_values, attn_mask=visible, scale=attn.scaling
     )
-    hidden = hidden + attn.o_proj(out.reshape(batch, 1, -1))
+    out = out.reshape(rows, -1, width, head_dim).transpose(1, 2).reshape(rows, width, -1)
+    hidden = hidden + attn.o_proj(out)
     hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     return hidden, following_norm(hidden)
 
 
-PLAIN_REGIONS = DecodeRegions(decode_inputs, decode_layer)
+PLAIN_REGIONS = DecodeRegions(decode_inputs, slot_layer)
 
 
 @torch.inference_mode()
@@ -312,10 +339,8 @@ def prefill_slots(
     groups = heads // shape.kv_heads
     query_positions = start_of_row.unsqueeze(1) + torch.arange(widest, device=device).unsqueeze(0)
     visible = torch.arange(span, device=device).view(1, 1, span) <= query_positions.unsqueeze(2)
-    mask = visible.unsqueeze(1).expand(rows, groups, widest, span).reshape(rows, 1, groups * widest, span)
-
     hidden = inner.embed_tokens(ids.unsqueeze(0))  # (1, N, H)
-    mask = _attention_mask(mask, hidden.dtype)
+    mask = _grouped_mask(visible, groups, hidden.dtype)
     rope = positions.unsqueeze(0)
     if vision is not None:
         hidden[0, vision.mask] = vision.embeds.to(hidden.dtype)
@@ -353,6 +378,27 @@ def prefill_slots(
     return model.lm_head(inner.norm(hidden[0].index_select(0, last)))
 
 
+def _extend_inputs(
+    model: torch.nn.Module,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    rope_offsets: torch.Tensor | None,
+    span: int,
+) -> tuple[torch.Tensor, ...]:
+    """What every layer of `extend_step` reads: the embedded tokens (R, W, H), them through the first layer's
+    input norm, the rotary cos and sin (R, 1, W, D) and the attention mask over `span` cache positions, one row
+    of keys per query row of a kv head's group (R, 1, groups x W, span)."""
+    inner = text_model(model)
+    rows, width = token_ids.shape
+    groups = text_config(model).num_attention_heads // KVShape.of(model).kv_heads
+    hidden = inner.embed_tokens(token_ids)  # (R, W, H)
+    rope = positions if rope_offsets is None else positions + rope_offsets.unsqueeze(1)
+    cos, sin = _rotary(model, hidden, rope)  # (R, W, D)
+    visible = torch.arange(span, device=token_ids.device).view(1, 1, span) <= positions.unsqueeze(2)
+    x = inner.layers[0].input_layernorm(hidden)
+    return hidden, x, cos.unsqueeze(1), sin.unsqueeze(1), _grouped_mask(visible, groups, hidden.dtype)
+
+
 @torch.inference_mode()
 def extend_step(
     model: torch.nn.Module,
@@ -373,43 +419,17 @@ def extend_step(
     turn: an observation and the template around it) is one CUDA graph replay instead of an eager forward of
     hundreds of small kernels. Padding tokens (and padding rows) sit at the slot's last cache position, the
     sink no sequence reaches, so what they write is never read. `rope_offsets` (R,) long: as in `decode_step`.
+    Not compiled: compiling it (as the decode step is) took 3.9 instead of 5.8 ms for 8 rows x 64 tokens on an
+    H100, but added ~45 s to the engine's cold start (docs/benchmarks.md).
     """
+    hidden, x, cos, sin, mask = _extend_inputs(model, token_ids, positions, rope_offsets, span)
+    head_dim = KVShape.of(model).head_dim
     inner = text_model(model)
-    shape = KVShape.of(model)
-    rows, width = token_ids.shape
-    heads = text_config(model).num_attention_heads
-    groups = heads // shape.kv_heads
-    length = span
-    hidden = inner.embed_tokens(token_ids)  # (R, W, H)
-    rope = positions if rope_offsets is None else positions + rope_offsets.unsqueeze(1)
-    cos, sin = _rotary(model, hidden, rope)  # (R, W, D)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    visible = torch.arange(length, device=token_ids.device).view(1, 1, length) <= positions.unsqueeze(2)
-    mask = visible.unsqueeze(1).expand(rows, groups, width, length).reshape(rows, 1, groups * width, length)
-    mask = _attention_mask(mask, hidden.dtype)
-    slots = slot_ids.unsqueeze(1)
-    for index, layer in enumerate(inner.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        q = attn.q_proj(x).view(rows, width, heads, shape.head_dim)
-        k = attn.k_proj(x).view(rows, width, shape.kv_heads, shape.head_dim)
-        if getattr(attn, "q_norm", None) is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = _rotate(q.transpose(1, 2), cos, sin)  # (R, heads, W, D)
-        k = _rotate(k.transpose(1, 2), cos, sin)  # (R, kv heads, W, D)
-        v = attn.v_proj(x).view(rows, width, shape.kv_heads, shape.head_dim)
-        keys[index][slots, :, positions] = k.transpose(1, 2)
-        values[index][slots, :, positions] = v
-        grouped = q.reshape(rows, shape.kv_heads, groups * width, shape.head_dim)
-        out = F.scaled_dot_product_attention(
-            grouped,
-            keys[index][:, :, :span].index_select(0, slot_ids),
-            values[index][:, :, :span].index_select(0, slot_ids),
-            attn_mask=mask,
-            scale=attn.scaling,
-        )
-        out = out.reshape(rows, heads, width, shape.head_dim).transpose(1, 2).reshape(rows, width, -1)
-        hidden = hidden + attn.o_proj(out)
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    picked = hidden[torch.arange(rows, device=hidden.device), last]
-    return model.lm_head(inner.norm(picked))
+    layers = inner.layers
+    for index, layer in enumerate(layers):
+        following = layers[index + 1].input_layernorm if index + 1 < len(layers) else inner.norm
+        hidden, x = slot_layer(
+            layer, following, hidden, x, cos, sin, keys[index], values[index], positions, mask, head_dim,
+            slot_ids,
+        )  # fmt: skip
+    return model.lm_head(x[torch.arange(x.shape[0], device=x.device), last])
