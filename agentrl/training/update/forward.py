@@ -132,9 +132,11 @@ def _token_head(
             rows, cols = rows.new_zeros(1), cols.new_zeros(1)
         picked = hidden[rows, cols]
         ids = targets[rows, cols]
-        chunk = max(1, CHUNK_ELEMENTS // head.weight.shape[0])
+        sizes = chunk_sizes(picked.shape[0], max(1, CHUNK_ELEMENTS // head.weight.shape[0]))
+        # Each chunk gets its own copy of its ids: a view's storage offset specialises the compiled math (offset
+        # 0 and offsets of 2 and more compiled apart, in the first step of every run).
         stats = torch.cat(
-            [chunk_stats(h, t) for h, t in zip(picked.split(chunk), ids.split(chunk), strict=True)]
+            [chunk_stats(h, t.clone()) for h, t in zip(picked.split(sizes), ids.split(sizes), strict=True)]
         )
         out = hidden.new_zeros(*hidden.shape[:2], 2, dtype=torch.float32)
         keep = wanted[rows, cols].unsqueeze(1).to(stats.dtype)  # 0 for the placeholder position
@@ -145,6 +147,15 @@ def _token_head(
         yield
     finally:
         del head.forward
+
+
+def chunk_sizes(total: int, chunk: int) -> list[int]:
+    """`total` positions in chunks of `chunk`, except that a last chunk of one position joins the one before it:
+    torch.compile specialises a size of one, so the compiled head math would compile again for it."""
+    sizes = [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
+    if len(sizes) > 1 and sizes[-1] == 1:
+        sizes[-2:] = [sizes[-2] + 1]
+    return sizes
 
 
 def logit_stats(

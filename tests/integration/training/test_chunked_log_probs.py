@@ -154,3 +154,42 @@ def test_a_head_function_that_fails_to_compile_falls_back_to_the_plain_one_loudl
     caplog.clear()
     call(logits, ids)  # from then on the plain function, without another warning
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("chunk_tokens", [3, 5])
+def test_the_compiled_head_math_is_traced_once_for_every_chunk(monkeypatch, chunk_tokens):
+    """Chunks are views of one tensor at growing offsets, and the last may hold one position: torch.compile
+    specialises a storage offset of 0 and a size of 1, so the head math compiled up to five times in the first
+    step (an Inductor compile each, seconds on a GPU host). A recording backend stands in for Inductor: one
+    graph each for `logit_stats` and `logit_grad`, over two steps, and the values still equal the whole logits'."""
+    torch._dynamo.reset()
+    traced: list[torch.fx.GraphModule] = []
+
+    def recording(graph: torch.fx.GraphModule, example_inputs):
+        traced.append(graph)
+        return graph.forward
+
+    compiled = tuple(
+        torch.compile(fn, dynamic=True, backend=recording) for fn in (forward.logit_stats, forward.logit_grad)
+    )
+    monkeypatch.setattr(forward, "_COMPILED_MATH", compiled)
+    model = load_causal_lm("tiny:qwen2", dtype="float32")
+    monkeypatch.setattr(forward, "CHUNK_ELEMENTS", chunk_tokens * model.lm_head.weight.shape[0])
+    batch = _batch()
+    mask = batch.response_mask.float()
+    assert forward.chunk_sizes(int(batch.response_mask[:, 1:].sum()), chunk_tokens)[-1] > 1
+    for _ in range(2):
+        log_probs, entropy = compute_log_probs(model, batch, with_entropy=True, compile_head=True)
+        _loss_and_grads(model, log_probs, entropy, mask)
+    assert len(traced) == 2
+    expected_lp, _ = _whole_logits(model, batch)
+    on = batch.response_mask
+    assert torch.allclose(log_probs[on], expected_lp[on], atol=1e-5)
+
+
+def test_chunk_sizes_never_leave_one_position_alone():
+    assert forward.chunk_sizes(16, 5) == [5, 5, 6]
+    assert forward.chunk_sizes(16, 3) == [3, 3, 3, 3, 4]
+    assert forward.chunk_sizes(15, 5) == [5, 5, 5]
+    assert forward.chunk_sizes(1, 5) == [1]
+    assert forward.chunk_sizes(7, 10_000) == [7]
