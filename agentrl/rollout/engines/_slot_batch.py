@@ -98,6 +98,12 @@ def weight_layout(model: torch.nn.Module) -> tuple:
     )
 
 
+def _padded(values, width: int, fill: int) -> list[int]:
+    """`values` as a list of `width` items, `fill` after them."""
+    values = list(values)
+    return values + [fill] * (width - len(values))
+
+
 def _next_power_of_two(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
 
@@ -398,16 +404,20 @@ class SlotBatch:
                 EXTEND_MAX_TOKENS,
                 max(MIN_EXTEND_WIDTH, _next_power_of_two(max(len(computed[i]) for i, _ in group))),
             )
-            tokens = torch.zeros(rows, width, dtype=torch.long)
-            positions = torch.full((rows, width), self.sink, dtype=torch.long)
-            slots = torch.zeros(rows, dtype=torch.long)
-            last = torch.zeros(rows, dtype=torch.long)
-            rope_offsets = torch.zeros(rows, dtype=torch.long)
-            for row, (i, (slot, start)) in enumerate(group):
-                ids = computed[i]
-                tokens[row, : len(ids)] = torch.tensor(ids)
-                positions[row, : len(ids)] = torch.arange(start, start + len(ids))
-                slots[row], last[row], rope_offsets[row] = slot, len(ids) - 1, offsets[i]
+            # Built as Python lists, then one tensor each (not a few torch calls per row).
+            idle = [[0, 0, 0]] * (rows - len(group))
+            tokens = torch.tensor(
+                [_padded(computed[i], width, 0) for i, _ in group] + [[0] * width] * len(idle)
+            )
+            positions = torch.tensor(
+                [_padded(range(at, at + len(computed[i])), width, self.sink) for i, (_, at) in group]
+                + [[self.sink] * width] * len(idle)
+            )
+            slots, last, rope_offsets = (
+                torch.tensor([[slot, len(computed[i]) - 1, offsets[i]] for i, (slot, _) in group] + idle)
+                .t()
+                .contiguous()
+            )
             reach = max(start + len(computed[i]) for i, (_, start) in group)
             span = min(self.length, max(MIN_LENGTH, _next_power_of_two(reach)))
             out = self._extend_call(tokens, positions, slots, last, span, rope_offsets)
@@ -481,7 +491,7 @@ class SlotBatch:
             packed = self.images.pack([(b[3], b[2], vision.get(b[0])) for b in batch]) if vision else None
             out = prefill_slots(
                 self.model, self.keys, self.values, [b[1] for b in batch], [b[2] for b in batch],
-                [b[3] for b in batch], packed,
+                [b[3] for b in batch], packed, self._to_device,
             )  # fmt: skip
             left_over = []
             for row, (i, slot, start, chunk) in enumerate(batch):

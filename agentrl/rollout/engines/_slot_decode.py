@@ -24,6 +24,7 @@ offset (transformers' `rope_deltas`): decode and extend steps take that one inte
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -312,9 +313,11 @@ def prefill_slots(
     starts: list[int],
     chunks: list[list[int]],
     vision: PackedVision | None = None,
+    to_device: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Feed `chunks[r]` at positions starts[r].. of slot slots[r]; write their keys and values; return the
-    logits of each chunk's last token (rows, V).
+    logits of each chunk's last token (rows, V). `to_device`: how a host tensor reaches the model's device
+    (default `.to(device)`; the engine's copies through pinned memory wait for nothing queued before them).
 
     Packed: the projections and MLPs run over the chunks' tokens concatenated, with no padding, and each chunk
     attends to what its slot already holds (positions 0..starts[r]-1: a reused prefix, or an earlier chunk of
@@ -328,12 +331,21 @@ def prefill_slots(
     lengths = [len(chunk) for chunk in chunks]
     rows, total, widest = len(chunks), sum(lengths), max(lengths)
     span = max(start + n for start, n in zip(starts, lengths, strict=True))
-    ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.long, device=device)
-    row_of = torch.repeat_interleave(torch.arange(rows), torch.tensor(lengths)).to(device)
-    offset = torch.cat([torch.arange(n) for n in lengths]).to(device)
-    start_of_row = torch.tensor(starts, dtype=torch.long, device=device)
+    to_device = to_device or (lambda host: host.to(device))
+    # Two host tensors built from Python lists, two copies: `torch.tensor(..., device=cuda)` from pageable memory
+    # waits for the work queued before it (the decode step launched ahead, then this forward's own layers).
+    ids, row_of, offset = to_device(
+        torch.tensor(
+            [
+                [t for chunk in chunks for t in chunk],
+                [row for row, n in enumerate(lengths) for _ in range(n)],
+                [i for n in lengths for i in range(n)],
+            ]
+        )
+    )
+    ends = list(itertools.accumulate(lengths))
+    start_of_row, slot_of_row, last = to_device(torch.tensor([starts, slots, [end - 1 for end in ends]]))
     positions = start_of_row[row_of] + offset
-    slot_of_row = torch.tensor(slots, dtype=torch.long, device=device)
     slot_of = slot_of_row[row_of]
     heads = text_config(model).num_attention_heads
     groups = heads // shape.kv_heads
@@ -374,7 +386,6 @@ def prefill_slots(
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         if vision is not None and index < len(vision.deepstack):
             hidden[0, vision.mask] += vision.deepstack[index].to(hidden.dtype)
-    last = torch.tensor(lengths, device=device).cumsum(0) - 1
     return model.lm_head(inner.norm(hidden[0].index_select(0, last)))
 
 

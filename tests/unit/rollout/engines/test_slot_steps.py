@@ -134,3 +134,22 @@ def test_an_eager_decode_step_computes_the_rows_in_use_rounded_up_to_eight(model
     assert computed == [40] and logits.shape[0] == 33
     tokens = prompts[32] + [11]
     assert torch.allclose(logits[32], _reference(model, tokens)[-1], atol=1e-4)
+
+
+def test_the_engine_extends_next_turns_of_different_lengths_as_one_forward_of_each_whole_sequence(model):
+    """`SlotBatch._extend` (an agent's next turns over their cached histories, the CUDA-graph path, run here
+    without graphs): its rows, their padding to the width and the bucket's padding rows are built from Python
+    lists; each turn's last logits equal a plain forward of its whole sequence."""
+    from agentrl.rollout.engines._slot_batch import SlotBatch
+
+    torch.manual_seed(2)
+    histories = [torch.randint(0, 80, (n,)).tolist() for n in (20, 9, 31)]
+    turns = [torch.randint(0, 80, (n,)).tolist() for n in (5, 16, 1)]
+    batch = SlotBatch(model, max_slots=16, max_model_len=128, cuda_graphs=False)
+    batch.admit(histories, [1, 1, 1], reserve=64)
+    slots = list(batch._row_slots)
+    plan = {i: (slots[i], len(histories[i])) for i in range(3)}
+    logits = batch._extend(plan, dict(enumerate(turns)), {i: 0 for i in range(3)})
+    for i in range(3):
+        reference = _reference(model, histories[i] + turns[i])[-1]
+        torch.testing.assert_close(logits[i], reference, atol=1e-5, rtol=0)
