@@ -32,7 +32,7 @@ import heapq
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +98,7 @@ def weight_layout(model: torch.nn.Module) -> tuple:
     )
 
 
-def _padded(values, width: int, fill: int) -> list[int]:
+def _padded(values: Iterable[int], width: int, fill: int) -> list[int]:
     """`values` as a list of `width` items, `fill` after them."""
     values = list(values)
     return values + [fill] * (width - len(values))
