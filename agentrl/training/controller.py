@@ -74,7 +74,10 @@ def _engine_timing(before: list[dict[str, float]], after: list[dict[str, float]]
     `perf/engine_prefix_cache_hits`, `perf/engine_prefill_tokens`, `perf/engine_tokens_generated`). Over all
     engines: `perf/prefix_cache_hit_rate` (prompt tokens found in the cache), `perf/prefill_tokens_per_s`
     (tokens computed by prefill forwards / their seconds) and `perf/decode_tokens_per_s` (tokens generated /
-    decode seconds). The rest of `timing/gen` is the agents, the gateway and waiting."""
+    decode seconds). Per prefill path (`extend`: short runs replayed from CUDA graphs; `packed`): the device
+    seconds `timing/engine_prefill_<path>`, the host's seconds issuing them `timing/engine_prefill_<path>_host`,
+    and `perf/engine_prefill_<path>_forwards` and `_tokens`. The rest of `timing/gen` is the agents, the gateway
+    and waiting."""
     timing: dict[str, float] = {}
     totals: dict[str, float] = {}
     for start, end in zip(before, after, strict=True):

@@ -55,7 +55,7 @@ def _generate(model, cuda_graphs: bool, compile_decode: bool = False):
         )
 
     try:
-        return prompts, asyncio.run(run())
+        return prompts, asyncio.run(run()), engine.stats()
     finally:
         engine.close()
 
@@ -68,8 +68,8 @@ def test_graph_decoding_logprobs_equal_teacher_forcing_and_a_rerun_draws_the_sam
     is held to exact logprobs only: without graphs short prompts are prefilled packed, whose kernels sum in
     another order than the graph's extend step, so a draw within ~1e-6 of a boundary between two tokens may
     pick the neighbour (5 of 32 completions diverged somewhere in 48 tokens on an H100, at 0.7 and at 1.0)."""
-    prompts, first = _generate(model, cuda_graphs=True, compile_decode=compile_decode)
-    _, again = _generate(model, cuda_graphs=True, compile_decode=compile_decode)
+    prompts, first, stats = _generate(model, cuda_graphs=True, compile_decode=compile_decode)
+    _, again, _ = _generate(model, cuda_graphs=True, compile_decode=compile_decode)
     flips = [
         (
             p,
@@ -85,8 +85,13 @@ def test_graph_decoding_logprobs_equal_teacher_forcing_and_a_rerun_draws_the_sam
     worst = worst_logprob_gap(model, prompts, first, TEMPERATURES)
     assert worst < 1e-3, worst
     assert len({tuple(o.token_ids) for outs in first for o in outs}) == 32  # they really sample
+    # Prompts of up to 64 tokens went through the extend graphs, the 69-token one packed; both paths are timed.
+    long = [len(p) for p in prompts if len(p) > _slot_batch.EXTEND_MAX_TOKENS]
+    assert stats["prefill_packed_tokens"] == sum(long) and stats["prefill_packed_forwards"] >= 1
+    assert stats["prefill_extend_tokens"] == sum(len(p) for p in prompts) - sum(long)
+    assert stats["busy_prefill_extend_s"] > 0 and stats["busy_prefill_packed_s"] > 0
     if not compile_decode:
-        _, eager = _generate(model, cuda_graphs=False)
+        _, eager, _ = _generate(model, cuda_graphs=False)
         worst = worst_logprob_gap(model, prompts, eager, TEMPERATURES)
         assert worst < 1e-3, worst
 

@@ -74,6 +74,8 @@ through `extend_step`'s graphs; longer ones (and all of them without graphs) thr
 MIN_EXTEND_WIDTH = 16
 PREFILL_MASK_ELEMENTS = 1 << 26
 """Most attention-mask elements (rows x query rows x keys) one prefill forward builds: bounds its memory."""
+PREFILL_PATHS = ("extend", "packed")
+"""The two prefill forwards, counted apart: `extend_step` (short runs under CUDA graphs) and `prefill_slots`."""
 
 
 @dataclass
@@ -218,12 +220,17 @@ class SlotBatch:
         self._staging = PinnedStaging(self.device)
         self._groups = text_config(model).num_attention_heads // self.shape.kv_heads
         self.counters = dict.fromkeys(
-            ("prompt_tokens", "prefix_hit_tokens", "prefill_tokens", "prefill_forwards", "prefill_s"), 0
+            ("prompt_tokens", "prefix_hit_tokens", "prefill_tokens", "prefill_forwards", "prefill_s")
+            + tuple(
+                f"{path}_{what}" for path in PREFILL_PATHS for what in ("forwards", "tokens", "s", "host_s")
+            ),
+            0,
         )
         """Cumulative: prompt tokens admitted, of them found in the cache, tokens computed by prefill forwards,
         those forwards and their seconds (`EmbeddedEngine.stats`; on CUDA, device time read off events once
-        they complete: `settle_timings`)."""
-        self._prefill_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        they complete: `settle_timings`); the same per path (`PREFILL_PATHS`), with the host's seconds issuing
+        them (building inputs and launching; a forward whose host seconds near its device seconds is host-bound)."""
+        self._prefill_events: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
         self._events_lock = threading.Lock()
         self.setup_s = {"cache_alloc_s": 0.0, "graph_capture_s": 0.0}
         """Cumulative seconds spent (re)allocating the cache and capturing graphs: both recur after each
@@ -423,7 +430,7 @@ class SlotBatch:
             out = self._extend_call(tokens, positions, slots, last, span, rope_offsets)
             for row, (i, _) in enumerate(group):
                 logits[i] = out[row]
-            self._prefill_done(started, sum(len(computed[i]) for i, _ in group))
+            self._prefill_done(started, sum(len(computed[i]) for i, _ in group), "extend")
         return logits
 
     def _extend_call(
@@ -501,28 +508,33 @@ class SlotBatch:
                 else:
                     logits[i] = out[row]
             pending = left_over + pending[len(batch) :]
-            self._prefill_done(started, tokens)
+            self._prefill_done(started, tokens, "packed")
         return logits
 
-    def _prefill_started(self) -> float | torch.cuda.Event:
-        """Mark the start of a prefill forward: a CUDA event on the device (waiting for the device to time
-        it would stall the host behind the decode step launched ahead), the clock elsewhere."""
+    def _prefill_started(self) -> tuple[float, torch.cuda.Event | None]:
+        """Mark the start of a prefill forward: the host's clock, and on CUDA an event on the device (waiting
+        for the device to time it would stall the host behind the decode step launched ahead)."""
         if self.device.type != "cuda":
-            return time.perf_counter()
+            return time.perf_counter(), None
         start = torch.cuda.Event(enable_timing=True)
         start.record()
-        return start
+        return time.perf_counter(), start
 
-    def _prefill_done(self, started: float | torch.cuda.Event, tokens: int) -> None:
-        self.counters["prefill_tokens"] += tokens
-        self.counters["prefill_forwards"] += 1
-        if isinstance(started, float):
-            self.counters["prefill_s"] += time.perf_counter() - started
+    def _prefill_done(self, started: tuple[float, torch.cuda.Event | None], tokens: int, path: str) -> None:
+        host_start, event = started
+        host_s = time.perf_counter() - host_start
+        for prefix in ("prefill", path):
+            self.counters[f"{prefix}_tokens"] += tokens
+            self.counters[f"{prefix}_forwards"] += 1
+        self.counters[f"{path}_host_s"] += host_s
+        if event is None:
+            self.counters["prefill_s"] += host_s
+            self.counters[f"{path}_s"] += host_s
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         with self._events_lock:
-            self._prefill_events.append((started, end))
+            self._prefill_events.append((event, end, path))
         self.settle_timings(wait=False)
 
     def settle_timings(self, wait: bool = True) -> None:
@@ -532,10 +544,12 @@ class SlotBatch:
             if wait and self._prefill_events:
                 self._prefill_events[-1][1].synchronize()
             done = 0
-            for start, end in self._prefill_events:
+            for start, end, path in self._prefill_events:
                 if not end.query():
                     break
-                self.counters["prefill_s"] += start.elapsed_time(end) / 1000
+                seconds = start.elapsed_time(end) / 1000
+                self.counters["prefill_s"] += seconds
+                self.counters[f"{path}_s"] += seconds
                 done += 1
             del self._prefill_events[:done]
 

@@ -44,7 +44,7 @@ from agentrl.data.images import load_image_processor
 from agentrl.rollout.engines._batch import DynamicBatch
 from agentrl.rollout.engines._requests import Detokenizer, Request, Sequence, StreamEvent, build_sequences
 from agentrl.rollout.engines._sampling import RowSampling, filters_needed, select_tokens
-from agentrl.rollout.engines._slot_batch import DeviceDraw, SlotBatch, SlotSampling
+from agentrl.rollout.engines._slot_batch import PREFILL_PATHS, DeviceDraw, SlotBatch, SlotSampling
 from agentrl.rollout.engines._slot_decode import slot_decode_unsupported
 from agentrl.rollout.engines._weights import LoraMerger, fingerprint_state_dict, load_weights_in_place
 from agentrl.rollout.engines.constraints import Constraint, GrammarCompiler, advance, fill_bitmasks
@@ -793,6 +793,12 @@ class EmbeddedEngine:
             "prefill_tokens": counters["prefill_tokens"],
             "prefill_forwards": counters["prefill_forwards"],
             "busy_prefill_forward_s": round(counters["prefill_s"], 4),
+            **{
+                (f"busy_prefill_{key}" if key.endswith("_s") else f"prefill_{key}"): round(counters[key], 4)
+                for path in PREFILL_PATHS
+                for key in (f"{path}_forwards", f"{path}_tokens", f"{path}_s", f"{path}_host_s")
+                if key in counters
+            },
             "kv_cache_usage": 0.0,
             "parked_sequences": 0,
         }

@@ -215,7 +215,8 @@ class PolicyWorker:
 
     def engine_counters(self) -> dict[str, float]:
         """The embedded engine's cumulative prefill, decode and host seconds, its prefill and decode step counts,
-        and its prompt, prefix-cache hit, prefilled and generated tokens (`EmbeddedEngine.stats`); {} for vLLM,
+        and its prompt, prefix-cache hit, prefilled and generated tokens (`EmbeddedEngine.stats`), the prefill
+        forwards and tokens of each path (extend graphs, packed) beside their seconds; {} for vLLM,
         whose servers keep their own metrics."""
         engine = getattr(self.rollout, "engine", None)
         if engine is None:
@@ -223,7 +224,13 @@ class PolicyWorker:
         stats = engine.stats()
         counters = {k[len("busy_") :]: v for k, v in stats.items() if k.startswith("busy_")}
         counted = ("prefills", "prompt_tokens", "prefix_cache_hits", "prefill_tokens", "tokens_generated")
-        counters.update({k: v for k, v in stats.items() if k in counted or k.startswith("decode_steps_")})
+        counters.update(
+            {
+                k: v
+                for k, v in stats.items()
+                if k in counted or k.startswith(("decode_steps_", "prefill_extend_", "prefill_packed_"))
+            }
+        )
         return counters
 
     def sleep_rollout(self) -> None:

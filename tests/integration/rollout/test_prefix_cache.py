@@ -219,6 +219,11 @@ def test_a_long_prompt_is_prefilled_in_chunks_that_attend_to_each_other(model, t
         stats = engine.stats()
         assert stats["prefill_forwards"] >= len(prompt) // 16
         assert stats["prefill_tokens"] == len(prompt)
+        # Without CUDA graphs every forward is packed; the per-path counts add up to the totals.
+        assert stats["prefill_packed_forwards"] == stats["prefill_forwards"]
+        assert stats["prefill_packed_tokens"] == len(prompt) and stats["prefill_extend_tokens"] == 0
+        assert stats["busy_prefill_packed_s"] == stats["busy_prefill_forward_s"] > 0
+        assert 0 < stats["busy_prefill_packed_host_s"] <= stats["busy_prefill_packed_s"] + 1e-3
         assert _gap(model, prompt, out) < 1e-4
     finally:
         engine.close()
