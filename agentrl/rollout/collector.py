@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -80,11 +79,6 @@ class RolloutCollector:
         self.in_process = in_process
         self.limits = limits
         self._rounds = 0
-        self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
-            weakref.WeakKeyDictionary()
-        )
-        """One episode limit per event loop: collections running at once on one loop (the asynchronous loop's
-        batches) share `n_parallel_tasks`, so the next batch's episodes start as the last batch's end."""
         install_fast_transform()
 
     def state_dict(self) -> dict[str, int]:
@@ -97,12 +91,8 @@ class RolloutCollector:
     async def collect(
         self, flow: AgentFlow, tasks: Sequence[Task], n: int, mode: str = "train", on_episode=None
     ) -> list[Episode]:
-        """`n` rollouts of every task, at most `agent.n_parallel_tasks` at a time (with every other collection on
-        this event loop); never raises."""
-        loop = asyncio.get_running_loop()
-        gate = self._gates.get(loop)
-        if gate is None:
-            gate = self._gates[loop] = asyncio.Semaphore(self.limits.n_parallel_tasks)
+        """`n` rollouts of every task, at most `agent.n_parallel_tasks` at a time; never raises."""
+        gate = asyncio.Semaphore(self.limits.n_parallel_tasks)
         round_id = self._rounds
         self._rounds += 1
 

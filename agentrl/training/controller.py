@@ -365,16 +365,7 @@ class Controller:
                 run_ahead.staleness_threshold,
             )
         self._requested_through = self.global_step
-        reject = self.config.agent.rejection_sample
-        # Batches overlap only where that keeps the data order: a refill round draws tasks mid-collection, and
-        # without partial rollouts a weight push waits for the batch in collection (none may be running).
-        refills = reject.enable and reject.multiplier > 1
-        concurrent = 1 if refills or not run_ahead.partial_rollout else run_ahead.staleness_threshold + 1
-        return RolloutPipeline(
-            self.collect_training_episodes_async,
-            partial_rollout=run_ahead.partial_rollout,
-            concurrent=concurrent,
-        )
+        return RolloutPipeline(self.collect_training_episodes, partial_rollout=run_ahead.partial_rollout)
 
     def is_boundary(self, step: int) -> bool:
         """A step after which the loop checkpoints or validates: no rollout may be in flight past it."""
@@ -384,18 +375,21 @@ class Controller:
         return saves or validates
 
     def next_training_episodes(self, step: int) -> tuple[list[Episode], list[Episode]]:
-        """This step's episodes: collected now, or taken from the pipeline. The pipeline is first asked for the
-        batches of the next steps (up to `staleness_threshold` ahead, not past a checkpoint or validation step):
-        the weights served now are those of the last update, at most `staleness_threshold` versions older than
-        those that will train them, and they start while this step's slowest episodes finish and it trains."""
+        """This step's episodes: collected now, or taken from the pipeline, which is then asked for the batches
+        of the next steps (up to `staleness_threshold` ahead, not past a checkpoint or validation step), so they
+        are collected while this step trains."""
         if self.pipeline is None:
             return self.collect_training_episodes()
+        if self._requested_through < step:
+            self.pipeline.request()
+            self._requested_through = step
+        batch = self.pipeline.take()
         staleness = self.config.async_training.staleness_threshold
-        for ahead in [step, *steps_to_request(step, self.total_steps, staleness, self.is_boundary)]:
+        for ahead in steps_to_request(step, self.total_steps, staleness, self.is_boundary):
             if ahead > self._requested_through:
                 self.pipeline.request()
                 self._requested_through = ahead
-        return self.pipeline.take()
+        return batch
 
     def update(self, batch: TrainBatch, timing: dict[str, float]) -> dict[str, float]:
         """Log-probs, values, advantages, critic and actor updates, weight sync; returns their metrics."""
@@ -478,13 +472,9 @@ class Controller:
 
     def run_episodes(self, tasks: list[Task], n: int, mode: str, desc: str) -> list[Episode]:
         """Collect `n` rollouts per task and score them; failed rollouts are kept, unscored."""
-        return asyncio.run(self.run_episodes_async(tasks, n, mode, desc))
-
-    async def run_episodes_async(self, tasks: list[Task], n: int, mode: str, desc: str) -> list[Episode]:
-        """`run_episodes` on the running event loop (the asynchronous pipeline runs several at once)."""
         bar = progress_bar(desc, len(tasks) * n)
-        episodes = await self.collector.collect(
-            self.flow, tasks, n, mode=mode, on_episode=lambda _e: bar.update(1)
+        episodes = asyncio.run(
+            self.collector.collect(self.flow, tasks, n, mode=mode, on_episode=lambda _e: bar.update(1))
         )
         bar.close()
         by_id = {t.id: t for t in tasks}
@@ -502,11 +492,6 @@ class Controller:
         filters (partially solved ones under mode=solve_partial) or agent.rejection_sample.multiplier rounds ran.
         Episodes left out get their `filter_reason` (the tasks beyond the batch of a refill round: batch_full).
         """
-        return asyncio.run(self.collect_training_episodes_async())
-
-    async def collect_training_episodes_async(self) -> tuple[list[Episode], list[Episode]]:
-        """`collect_training_episodes` on the running event loop. Its first tasks are drawn before its first
-        `await`, so batches started in order draw them in order."""
         reject = self.config.agent.rejection_sample
         rounds = reject.multiplier if reject.enable else 1
         all_episodes: list[Episode] = []
@@ -514,7 +499,7 @@ class Controller:
         for round_index in range(max(1, rounds)):
             # Each refill round gets its own id prefix: position-based ids must not merge different prompts.
             prefix = "train" if round_index == 0 else f"train.r{round_index}"
-            episodes = await self.run_episodes_async(self.next_tasks(prefix), self.n, "train", "rollout")
+            episodes = self.run_episodes(self.next_tasks(prefix), self.n, "train", "rollout")
             all_episodes += episodes
             kept += self.filter_episodes(episodes)
             if len({e.task_id for e in kept}) >= self.config.data.train_batch_size:

@@ -1,17 +1,11 @@
-"""Rollouts collected ahead of training, on an event loop in a background thread: the asynchronous loop's producer.
+"""Rollouts collected ahead of training, in a background thread: the asynchronous loop's producer.
 
-With `async_training.enable` and `staleness_threshold` N > 0, the batches of steps k+1..k+N are asked for when step
-k begins (the weights of step k-1's update are then served), and the trainer takes them in order: a batch's tokens
-were sampled by weights at most N versions older than those that train it (the bound every token's
-`policy_version` is checked against).
-
-Batches asked for are collected at the same time (`concurrent` > 1), each started in the order asked, on one event
-loop: the episodes of the next batch start as soon as the collector's episode limit lets them, while the slowest
-episodes of the batch before wait on their tools, instead of after all of them. A synchronous step, and a batch
-collected alone, waits for its slowest episode. After an update the new weights go to the engines at once
-(`partial_rollout=true`: an episode in flight goes on with them, between two decode steps) or when the batch being
-collected ends (`partial_rollout=false`: no batch mixes two versions; the push waits for it, and batches are
-collected one at a time).
+With `async_training.enable` and `staleness_threshold` N > 0, the episodes of step k+1..k+N are collected while
+step k trains, one batch after another in one thread, and the trainer takes them in order. A batch is asked for
+at most N steps ahead, so its tokens were sampled by weights at most N versions older than those it trains
+(the bound every token's `policy_version` is checked against). After an update the new weights go to the engines
+at once (`partial_rollout=true`: an episode in flight goes on with them, between two decode steps) or when the
+batch being collected ends (`partial_rollout=false`: no batch mixes two versions; the push waits for it).
 
 Nothing is asked for past the next checkpoint or validation step, so the pipeline is empty there: a checkpoint
 holds exactly the batches trained, and the dataloader and collector state it saves are those of the last step.
@@ -19,10 +13,9 @@ holds exactly the batches trained, and the dataloader and collector state it sav
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Generic, TypeVar
 
@@ -30,30 +23,18 @@ T = TypeVar("T")
 
 
 class RolloutPipeline(Generic[T]):
-    """Runs `collect()` (a coroutine function) once per `request()` on its own event loop; `take()` returns the
-    results in the order asked. Up to `concurrent` collections run at once, each started in the order asked (what
-    runs before its first `await`, such as drawing its tasks, runs in that order too)."""
+    """Runs `collect()` once per `request()`, in order, in one background thread; `take()` returns the results
+    in the same order."""
 
-    def __init__(
-        self, collect: Callable[[], Awaitable[T]], *, partial_rollout: bool, concurrent: int = 1
-    ) -> None:
-        if concurrent < 1:
-            raise ValueError(f"concurrent must be at least 1, got {concurrent}")
-        if concurrent > 1 and not partial_rollout:
-            raise ValueError(
-                "batches collected at the same time need partial rollouts (a push waits for none)"
-            )
+    def __init__(self, collect: Callable[[], T], *, partial_rollout: bool) -> None:
         self._collect = collect
         self.partial_rollout = partial_rollout
-        self.concurrent = concurrent
         self._pending: deque[Future[T]] = deque()
-        self._lock = threading.Lock()
-        self._batch_lock = threading.Lock()  # held while a batch is collected (partial_rollout=false)
+        self._queue: deque[Future[T]] = deque()
+        self._cond = threading.Condition()
+        self._batch_lock = threading.Lock()  # held while a batch is collected
         self._closed = False
-        self._tasks: set[asyncio.Task] = set()
-        self._loop = asyncio.new_event_loop()
-        self._slots = asyncio.Semaphore(concurrent)  # bound to the loop on first use (Python >= 3.10)
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-pipeline", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="rollout-pipeline", daemon=True)
         self._thread.start()
 
     @property
@@ -62,13 +43,14 @@ class RolloutPipeline(Generic[T]):
         return len(self._pending)
 
     def request(self) -> None:
-        """Ask for one more batch (started after those asked for before)."""
+        """Ask for one more batch (collected after those asked for before)."""
         future: Future[T] = Future()
-        with self._lock:
+        with self._cond:
             if self._closed:
                 raise RuntimeError("the rollout pipeline is closed")
             self._pending.append(future)
-            self._loop.call_soon_threadsafe(self._start, future)
+            self._queue.append(future)
+            self._cond.notify()
 
     def take(self) -> T:
         """The oldest batch asked for, waiting until it is collected; its collection error is raised here."""
@@ -85,55 +67,39 @@ class RolloutPipeline(Generic[T]):
             return push()
 
     def close(self, wait_s: float = 30.0) -> None:
-        """Cancel the batches not started and wait up to `wait_s` for those in collection (after a failure the
-        rollout servers stop next, which ends them); then stop the loop."""
-        with self._lock:
-            if self._closed:
-                return
+        """Cancel the batches not started and wait up to `wait_s` for the one in collection (after a failure
+        the rollout servers stop next, which ends it)."""
+        with self._cond:
             self._closed = True
-        for future in self._pending:
-            future.cancel()  # a batch already in collection is not cancelled: it ends on its own
-        drained = asyncio.run_coroutine_threadsafe(self._drain(), self._loop)
-        try:
-            drained.result(timeout=wait_s)
-        except TimeoutError:
-            pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5.0)
+            for future in self._queue:
+                future.cancel()
+            self._queue.clear()
+            self._cond.notify()
+        self._thread.join(timeout=wait_s)
 
-    # ---- on the loop ---------------------------------------------------------------------------------
-    def _start(self, future: Future[T]) -> None:
-        task = self._loop.create_task(self._run(future))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _run(self, future: Future[T]) -> None:
-        async with self._slots:  # first come, first served: batches start in the order asked
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                future = self._queue.popleft()
             if not future.set_running_or_notify_cancel():
-                return
+                continue
             try:
-                if self.partial_rollout:
-                    result = await self._collect()
-                else:
-                    await asyncio.to_thread(self._batch_lock.acquire)
-                    try:
-                        result = await self._collect()
-                    finally:
-                        self._batch_lock.release()
+                with self._batch_lock:
+                    result = self._collect()
             except BaseException as error:  # reaches the trainer through take()
                 future.set_exception(error)
             else:
                 future.set_result(result)
 
-    async def _drain(self) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks))
-
 
 def steps_to_request(
     step: int, total_steps: int, staleness: int, boundaries: Callable[[int], bool]
 ) -> list[int]:
-    """The steps whose batches may be asked for once step `step` begins: up to `staleness` ahead, never past the
+    """The steps whose batches may be asked for while step `step` trains: up to `staleness` ahead, never past the
     first boundary step (a checkpoint or validation) at or after `step`."""
     last = min(total_steps, step + staleness)
     for candidate in range(step, last):
