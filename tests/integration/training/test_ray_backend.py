@@ -74,6 +74,16 @@ def test_two_ray_workers_match_the_local_backend(tmp_path, warm_model):
         assert run.metrics["perf/engine_prefills"] >= 1 and run.metrics["timing/engine_decode"] > 0
         assert run.metrics["perf/engine_decode_steps_device"] > 0
         assert run.metrics["perf/engine_decode_steps_host"] == 0
+        # On the CPU every prefill forward is packed; the step's per-path figures add up to its totals.
+        assert (
+            run.metrics["perf/engine_prefill_packed_tokens"] == run.metrics["perf/engine_prefill_tokens"] > 0
+        )
+        assert run.metrics["perf/engine_prefill_packed_forwards"] >= 1
+        assert run.metrics["perf/engine_prefill_extend_tokens"] == 0
+        assert (
+            run.metrics["timing/engine_prefill_packed"] > 0
+            and run.metrics["timing/engine_prefill_packed_host"] > 0
+        )
     assert (tmp_path / "ray" / "checkpoints" / "global_step_1" / "actor_dcp").is_dir()
     assert (tmp_path / "ray" / "hf_model" / "model.safetensors").is_file()
     assert not _ray_processes(), "Ray was left running after the run ended"
