@@ -163,3 +163,60 @@ def test_graphs_survive_an_in_place_weight_update_and_replay_the_new_weights():
         assert worst_logprob_gap(model, prompts, again) < 1e-3
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("owns_weights", [False, True], ids=["trainer-weights", "own-weights"])
+def test_a_sleep_returns_the_cache_memory_and_keeps_its_addresses_and_graphs(owns_weights):
+    """The hybrid engine sleeps while the trainer runs. The cache's pages go back to the driver (its free memory
+    grows by all of them, and the trainer may fill them with anything: here NaN bytes), its addresses stay, so
+    the graphs captured before the sleep replay after it: the same seeds draw the same tokens with no new
+    capture, and the logprobs still equal teacher forcing (fresh pages are zeroed: a NaN left in a masked
+    position would poison attention). An engine that owns its weights moves them to the host and back, to new
+    addresses: its graphs are captured again."""
+    model = load_causal_lm(SHAPE, dtype="float32", device="cuda").eval()
+    engine = EmbeddedEngine(
+        model,
+        load_tokenizer(SHAPE),
+        max_num_seqs=32,
+        max_model_len=512,
+        cuda_graphs=True,
+        owns_weights=owns_weights,
+    )
+    prompts = [[(11 * p + 7 * i) % 5000 + 10 for i in range(20 + 9 * p)] for p in range(4)]
+    params = SamplingParams(temperature=1.0, max_tokens=24, n=2, seed=9, ignore_eos=True)
+
+    def generate():
+        async def run():
+            return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+
+        return asyncio.run(run())
+
+    try:
+        before = generate()
+        batch = engine._batch
+        graphs, addresses = dict(batch._graphs), [t.data_ptr() for t in batch.keys + batch.values]
+        cache_bytes = sum(t.numel() * t.element_size() for t in batch.keys + batch.values)
+        capture = engine.stats()["busy_graph_capture_s"]
+        assert graphs and batch._memory is not None, "the cache is not at stable addresses on this GPU"
+        torch.cuda.synchronize()
+        free_awake, _ = torch.cuda.mem_get_info()
+        engine.sleep()
+        free_asleep, _ = torch.cuda.mem_get_info()
+        assert free_asleep - free_awake >= cache_bytes, (free_asleep - free_awake, cache_bytes)
+        trainer = torch.full((cache_bytes,), 255, dtype=torch.uint8, device="cuda")  # NaN bytes as float32
+        del trainer
+        torch.cuda.empty_cache()
+        engine.wake_up()
+        after = generate()
+        assert [t.data_ptr() for t in batch.keys + batch.values] == addresses
+        kept = [key for key, graph in graphs.items() if batch._graphs.get(key) is graph]
+        if owns_weights:
+            assert not kept, "graphs that read the weights' old addresses were replayed"
+            assert engine.stats()["busy_graph_capture_s"] > capture
+        else:
+            assert kept == list(graphs), "a graph was captured again"
+            assert engine.stats()["busy_graph_capture_s"] == capture
+        assert [o.token_ids for outs in after for o in outs] == [o.token_ids for outs in before for o in outs]
+        assert worst_logprob_gap(model, prompts, after) < 1e-3
+    finally:
+        engine.close()

@@ -187,5 +187,9 @@ class DynamicBatch:
     def clear(self) -> None:
         self._batch = None
 
+    def release_cache(self) -> None:
+        """The engine sleeps: drop the rows (this path keeps no cache between steps)."""
+        self.clear()
+
     def weights_changed(self) -> None:
         """Nothing is captured on this path."""

@@ -20,9 +20,11 @@ A vision-language model's rows are the same rows: its prefill also takes the pro
 `ImagePrefill`: vision tower, multimodal positions), and each slot keeps one more integer, its rotary offset,
 which the decode and extend steps add to the cache index.
 
-The cache length grows on demand (powers of two, up to max_model_len) and is freed by `clear`, so
-the hybrid engine's sleep returns the memory to training. Graphs point at the cache and the weights:
-they are dropped whenever either may have moved (growth, `clear`, weight loads, LoRA merges).
+The cache length grows on demand (powers of two, up to max_model_len). The hybrid engine's sleep returns its
+memory to training (`release_cache`): under CUDA graphs the cache lives at reserved addresses whose pages are
+unmapped and mapped again (`_stable_memory.py`), so the graphs survive the sleep; elsewhere it is freed. Graphs
+point at the cache and the weights: they are dropped whenever either may have moved (growth, `clear`, weight
+loads to new addresses).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from agentrl.rollout.engines._slot_decode import (
     slot_layer,
     text_config,
 )
+from agentrl.rollout.engines._stable_memory import StableMemory, unavailable_reason
 from agentrl.rollout.engines._staging import PinnedStaging
 from agentrl.rollout.engines.vision import (
     ImageInputs,
@@ -186,6 +189,8 @@ class SlotBatch:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0
+        self._memory: StableMemory | None = None
+        """What `keys` and `values` lie in under CUDA graphs, when the driver offers stable addresses."""
         self._free = list(range(max_slots))
         self._row_slots: list[int] = []
         self._row_positions: list[int] = []
@@ -591,14 +596,30 @@ class SlotBatch:
 
     def clear(self) -> None:
         """Drop every row, the cache and the graphs (their memory goes back to the allocator)."""
+        self._drop_rows()
+        self.keys, self.values, self.length = [], [], 0
+        self.drop_graphs()
+        if self._memory is not None:
+            self._memory.free()
+            self._memory = None
+
+    def release_cache(self) -> None:
+        """Drop every row and give the cache's memory back (the hybrid engine's sleep). A cache at stable
+        addresses keeps them, its length and the graphs that read it: `_ensure_length` maps memory there
+        again. Any other cache is freed with its graphs (`clear`)."""
+        if self._memory is None:
+            self.clear()
+            return
+        self._drop_rows()
+        self._memory.release()
+
+    def _drop_rows(self) -> None:
         self._row_slots, self._row_positions = [], []
         self._free = list(range(self.max_slots))
         self.prefixes.clear()
         self._image_keys.clear()
         self._active.zero_()
         self._positions.zero_()
-        self.keys, self.values, self.length = [], [], 0
-        self.drop_graphs()
 
     def drop_graphs(self) -> None:
         """Forget captured graphs: the weights or the cache they point at may have moved."""
@@ -838,21 +859,23 @@ class SlotBatch:
 
     # ----- memory ----------------------------------------------------------------------------------
     def _ensure_length(self, needed: int) -> None:
+        if self._memory is not None and not self._memory.mapped:
+            start = time.perf_counter()
+            self._memory.restore()  # after a sleep: zeroed pages at the addresses the graphs read
+            self.setup_s["cache_alloc_s"] += time.perf_counter() - start
         if needed <= self.length:
             return
         start = time.perf_counter()
         length = min(self.max_model_len, max(MIN_LENGTH, _next_power_of_two(needed)))
         size = (self.max_slots, self.shape.kv_heads, length, self.shape.head_dim)
         self._check_memory(length)
-        keys = [
-            torch.zeros(size, dtype=self.shape.dtype, device=self.device) for _ in range(self.shape.layers)
-        ]
-        values = [
-            torch.zeros(size, dtype=self.shape.dtype, device=self.device) for _ in range(self.shape.layers)
-        ]
-        for new, old in zip(keys + values, self.keys + self.values, strict=False):
+        memory, tensors = self._allocate(size, 2 * self.shape.layers)
+        for new, old in zip(tensors, self.keys + self.values, strict=False):
             new[:, :, : self.length] = old
-        self.keys, self.values, self.length = keys, values, length
+        if self._memory is not None:
+            self._memory.free()  # waits for the copies
+        self.keys, self.values = tensors[: self.shape.layers], tensors[self.shape.layers :]
+        self._memory, self.length = memory, length
         busy = set(self._row_slots)
         idle = [slot for slot in range(self.max_slots) if slot not in busy]
         if idle:
@@ -868,6 +891,18 @@ class SlotBatch:
             self.max_slots * length * self.shape.bytes_per_token() / 2**30,
         )
         self._largest_logged = max(self._largest_logged, length)
+
+    def _allocate(self, size: tuple[int, ...], count: int) -> tuple[StableMemory | None, list[torch.Tensor]]:
+        """`count` zeroed cache tensors of `size`: under CUDA graphs in one `StableMemory` when the driver
+        offers it (each tensor its own base, so a compiled layer sees the same kind of input in every layer),
+        else from PyTorch's allocator."""
+        if not self.cuda_graphs or (reason := unavailable_reason(self.device)):
+            if self.cuda_graphs:
+                logger.info("embedded engine: CUDA graphs are captured again after each sleep: %s", reason)
+            return None, [torch.zeros(size, dtype=self.shape.dtype, device=self.device) for _ in range(count)]
+        each = torch.Size(size).numel() * self.shape.dtype.itemsize
+        memory = StableMemory(count * each, self.device)
+        return memory, [memory.tensor(i * each, each).view(self.shape.dtype).view(size) for i in range(count)]
 
     def _check_memory(self, length: int) -> None:
         if self.device.type != "cuda":

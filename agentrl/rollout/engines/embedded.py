@@ -696,13 +696,15 @@ class EmbeddedEngine:
             return fingerprint_state_dict(self.model.state_dict())
 
     def sleep(self) -> None:
-        """Free generation memory (KV cache; on CUDA also move weights it owns to CPU). Needs no running rows."""
+        """Free generation memory (KV cache; on CUDA also move weights it owns to CPU). Needs no running rows.
+        Under CUDA graphs the cache keeps its addresses (`SlotBatch.release_cache`) and the graphs stay: only
+        their own working memory (a few hundred MiB for a 0.5B model) is held while the engine sleeps."""
         with self._between_steps():
             if self._rows:
                 raise RuntimeError(f"cannot sleep: {len(self._rows)} sequences are running")
             with self._cond:
                 self._asleep = True
-            self._batch.clear()
+            self._batch.release_cache()
             if self._device.type == "cuda":
                 if self.owns_weights:
                     self._offload_weights()
@@ -713,6 +715,7 @@ class EmbeddedEngine:
         with self._between_steps():
             if self._device.type == "cuda" and self.owns_weights:
                 self._reload_weights()
+            self._batch.weights_changed()  # graphs kept across the sleep read the weights where they were
             with self._cond:
                 self._asleep = False
                 self._cond.notify()
