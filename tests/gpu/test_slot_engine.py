@@ -200,9 +200,11 @@ def test_a_sleep_returns_the_cache_memory_and_keeps_its_addresses_and_graphs(own
         assert graphs and batch._memory is not None, "the cache is not at stable addresses on this GPU"
         torch.cuda.synchronize()
         free_awake, _ = torch.cuda.mem_get_info()
+        assert engine.stats()["kv_cache_gib"] == round(cache_bytes / 2**30, 4)
         engine.sleep()
         free_asleep, _ = torch.cuda.mem_get_info()
         assert free_asleep - free_awake >= cache_bytes, (free_asleep - free_awake, cache_bytes)
+        assert engine.stats()["kv_cache_gib"] == 0
         trainer = torch.full((cache_bytes,), 255, dtype=torch.uint8, device="cuda")  # NaN bytes as float32
         del trainer
         torch.cuda.empty_cache()

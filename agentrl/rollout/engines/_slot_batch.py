@@ -590,6 +590,14 @@ class SlotBatch:
         return sum(self._row_positions) + self.prefixes.parked_tokens
 
     @property
+    def cache_bytes(self) -> int:
+        """Device memory the cache holds now: 0 while asleep. A cache at stable addresses lies outside
+        PyTorch's allocator, so `torch.cuda.max_memory_allocated` leaves it out."""
+        if self._memory is not None and not self._memory.mapped:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    @property
     def sink(self) -> int:
         """Where idle slots write during a decode step: the last cache position, beyond every sequence."""
         return max(self.length - 1, 0)

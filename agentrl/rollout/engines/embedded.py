@@ -804,11 +804,13 @@ class EmbeddedEngine:
             },
             "kv_cache_usage": 0.0,
             "parked_sequences": 0,
+            "kv_cache_gib": 0.0,
         }
         if isinstance(self._batch, SlotBatch) and self._batch.length:
             capacity = self._batch.max_slots * self._batch.length
             stats["kv_cache_usage"] = round(self._batch.held_tokens / capacity, 4)
             stats["parked_sequences"] = len(self._batch.prefixes)
+            stats["kv_cache_gib"] = round(self._batch.cache_bytes / 2**30, 4)
         return stats
 
     def close(self) -> None:

@@ -200,8 +200,9 @@ def test_sleep_holds_requests_until_wake_up(engine, prompts, caplog):
     asyncio.run(run())
     assert engine.stats()["tokens_generated"] > 0
     assert engine.stats()["kv_slots"] >= 105  # the slot cache stays allocated while awake...
+    assert engine.stats()["kv_cache_gib"] > 0
     engine.sleep()
-    assert engine.stats()["kv_slots"] == 0  # ...and sleep frees it
+    assert engine.stats()["kv_slots"] == 0 and engine.stats()["kv_cache_gib"] == 0  # ...and sleep frees it
     engine.wake_up()
     rebuilt = engine.stats()["busy_cache_alloc_s"]
     caplog.clear()  # the first allocation above may have been logged (at INFO, once)
