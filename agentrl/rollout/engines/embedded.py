@@ -42,6 +42,7 @@ import torch
 
 from agentrl.data.images import load_image_processor
 from agentrl.rollout.engines._batch import DynamicBatch
+from agentrl.rollout.engines._parked_weights import ParkedWeights
 from agentrl.rollout.engines._requests import Detokenizer, Request, Sequence, StreamEvent, build_sequences
 from agentrl.rollout.engines._sampling import RowSampling, filters_needed, select_tokens
 from agentrl.rollout.engines._slot_batch import PREFILL_PATHS, DeviceDraw, SlotBatch, SlotSampling
@@ -121,8 +122,6 @@ class EmbeddedEngine:
         every one; asynchronous training with `async_training.reuse_stale_prefixes` sets its staleness bound)."""
         self.model = model.eval()
         self.owns_weights = owns_weights
-        self._host_weights: dict[str, torch.Tensor] | None = None
-        """Pinned host copies of the weights while asleep (`_offload_weights`)."""
         self.draw_on_device = draw_on_device
         self.image_processor = image_processor
         if image_processor is None and is_vision_language(model):
@@ -144,6 +143,10 @@ class EmbeddedEngine:
         self._waiting: deque[tuple[Request, list[Sequence]]] = deque()
         self._rows: list[Sequence] = []
         self._batch = self._build_batch(cuda_graphs, compile_decode)
+        self._parked = ParkedWeights(
+            model, self._device, stable=isinstance(self._batch, SlotBatch) and self._batch.cuda_graphs
+        )
+        """Where weights it owns wait while it sleeps (on CUDA)."""
         self._asleep = False
         self._closed = False
         self._admin_waiting = 0
@@ -697,8 +700,9 @@ class EmbeddedEngine:
 
     def sleep(self) -> None:
         """Free generation memory (KV cache; on CUDA also move weights it owns to CPU). Needs no running rows.
-        Under CUDA graphs the cache keeps its addresses (`SlotBatch.release_cache`) and the graphs stay: only
-        their own working memory (a few hundred MiB for a 0.5B model) is held while the engine sleeps."""
+        Under CUDA graphs the cache keeps its addresses (`SlotBatch.release_cache`), weights it owns come back
+        to theirs (`ParkedWeights`), and the graphs stay: only their own working memory (a few hundred MiB for
+        a 0.5B model) is held while the engine sleeps."""
         with self._between_steps():
             if self._rows:
                 raise RuntimeError(f"cannot sleep: {len(self._rows)} sequences are running")
@@ -707,50 +711,18 @@ class EmbeddedEngine:
             self._batch.release_cache()
             if self._device.type == "cuda":
                 if self.owns_weights:
-                    self._offload_weights()
+                    self._parked.park()
                 torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
         """Undo `sleep`; requests that arrived meanwhile start now."""
         with self._between_steps():
             if self._device.type == "cuda" and self.owns_weights:
-                self._reload_weights()
+                self._parked.restore()
             self._batch.weights_changed()  # graphs kept across the sleep read the weights where they were
             with self._cond:
                 self._asleep = False
                 self._cond.notify()
-
-    def _offload_weights(self) -> None:
-        """Copy the weights into pinned host buffers (kept across sleeps) and free their device memory.
-
-        `model.to("cpu")` copied into fresh pageable memory every time: ~1 s a step for a 0.5B model under
-        LoRA, whose engine owns a copy; pinned buffers copy at the bus's speed."""
-        if self._host_weights is None:
-            self._host_weights = {
-                name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                for name, t in self._weight_tensors()
-            }
-        for name, tensor in self._weight_tensors():
-            self._host_weights[name].copy_(tensor.data, non_blocking=True)
-        torch.cuda.synchronize(self._device)
-        for name, tensor in self._weight_tensors():
-            tensor.data = self._host_weights[name]
-
-    def _reload_weights(self) -> None:
-        for _, tensor in self._weight_tensors():
-            if tensor.device.type == "cpu":
-                tensor.data = tensor.data.to(self._device, non_blocking=True)
-        torch.cuda.synchronize(self._device)
-
-    def _weight_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Parameters and buffers, each tied tensor once."""
-        seen: set[int] = set()
-        tensors = []
-        for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                tensors.append((name, tensor))
-        return tensors
 
     @property
     def is_sleeping(self) -> bool:
