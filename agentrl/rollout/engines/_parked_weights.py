@@ -9,13 +9,10 @@ one on, so the graphs captured after the first update replay the updated weights
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from agentrl.rollout.engines._stable_memory import StableMemory, unavailable_reason
+from agentrl.rollout.engines._stable_memory import StableMemory, stable_memory
 
-logger = logging.getLogger(__name__)
 ALIGNMENT = 512
 """Bytes each weight's place in the stable memory is aligned to (what kernels assume of a fresh allocation)."""
 
@@ -80,17 +77,14 @@ class ParkedWeights:
         torch.cuda.synchronize(self.device)
 
     def _reserve(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        if reason := unavailable_reason(self.device):
-            logger.info(
-                "embedded engine: its weights come back to new addresses after each sleep: %s", reason
-            )
-            self.stable = False
-            return
         offsets, end = {}, 0
         for name, tensor in tensors:
             offsets[name] = end
             end += -(-tensor.numel() * tensor.element_size() // ALIGNMENT) * ALIGNMENT
-        self._memory = StableMemory(end, self.device)
+        self._memory = stable_memory(end, self.device, "an engine's own weights")
+        if self._memory is None:
+            self.stable = False
+            return
         self._places = {
             name: self._memory.tensor(offsets[name], t.numel() * t.element_size()).view(t.dtype).view(t.shape)
             for name, t in tensors

@@ -53,7 +53,7 @@ from agentrl.rollout.engines._slot_decode import (
     slot_layer,
     text_config,
 )
-from agentrl.rollout.engines._stable_memory import StableMemory, unavailable_reason
+from agentrl.rollout.engines._stable_memory import StableMemory, stable_memory
 from agentrl.rollout.engines._staging import PinnedStaging
 from agentrl.rollout.engines.vision import (
     ImageInputs,
@@ -904,12 +904,10 @@ class SlotBatch:
         """`count` zeroed cache tensors of `size`: under CUDA graphs in one `StableMemory` when the driver
         offers it (each tensor its own base, so a compiled layer sees the same kind of input in every layer),
         else from PyTorch's allocator."""
-        if not self.cuda_graphs or (reason := unavailable_reason(self.device)):
-            if self.cuda_graphs:
-                logger.info("embedded engine: CUDA graphs are captured again after each sleep: %s", reason)
-            return None, [torch.zeros(size, dtype=self.shape.dtype, device=self.device) for _ in range(count)]
         each = torch.Size(size).numel() * self.shape.dtype.itemsize
-        memory = StableMemory(count * each, self.device)
+        memory = stable_memory(count * each, self.device, "the KV cache") if self.cuda_graphs else None
+        if memory is None:
+            return None, [torch.zeros(size, dtype=self.shape.dtype, device=self.device) for _ in range(count)]
         return memory, [memory.tensor(i * each, each).view(self.shape.dtype).view(size) for i in range(count)]
 
     def _check_memory(self, length: int) -> None:

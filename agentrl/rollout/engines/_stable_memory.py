@@ -71,6 +71,7 @@ class _DeviceArray:
 
 _DRIVER: ctypes.CDLL | None = None
 _UNAVAILABLE: str | None = None
+_SAID: set[str] = set()
 
 
 def _driver() -> ctypes.CDLL:
@@ -94,9 +95,13 @@ def _check(call: str, *args: object) -> None:
         raise CudaDriverError(call, code)
 
 
-def _device_handle(index: int) -> ctypes.c_int:
+def _ordinal(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _device_handle(device: torch.device) -> ctypes.c_int:
     handle = ctypes.c_int()
-    _check("cuDeviceGet", ctypes.byref(handle), ctypes.c_int(index))
+    _check("cuDeviceGet", ctypes.byref(handle), ctypes.c_int(_ordinal(device)))
     return handle
 
 
@@ -111,12 +116,32 @@ def unavailable_reason(device: torch.device) -> str | None:
                 "cuDeviceGetAttribute",
                 ctypes.byref(supported),
                 ctypes.c_int(_ATTRIBUTE_VMM_SUPPORTED),
-                _device_handle(device.index or 0),
+                _device_handle(device),
             )
             _UNAVAILABLE = "" if supported.value else "the GPU or its driver lacks virtual memory management"
         except (OSError, AttributeError, CudaDriverError) as error:
             _UNAVAILABLE = f"the CUDA driver's virtual memory calls failed: {error}"
     return _UNAVAILABLE or None
+
+
+def stable_memory(nbytes: int, device: torch.device, what: str) -> StableMemory | None:
+    """`StableMemory` of `nbytes` for `what`, or None (said once, at INFO) where the driver does not offer it or
+    refuses it: the caller then allocates as usual and its graphs are captured again after each sleep."""
+    global _UNAVAILABLE
+    reason = unavailable_reason(device)
+    if reason is None:
+        try:
+            return StableMemory(nbytes, device)
+        except CudaDriverError as error:
+            reason = _UNAVAILABLE = f"the CUDA driver refused it: {error}"
+    if what not in _SAID:
+        _SAID.add(what)
+        logger.info(
+            "embedded engine: no stable addresses for %s, so CUDA graphs are captured again after each sleep: %s",
+            what,
+            reason,
+        )
+    return None
 
 
 class StableMemory:
@@ -129,7 +154,7 @@ class StableMemory:
             raise RuntimeError(reason)
         self.device = device
         self._prop = _AllocationProp(
-            type=_ALLOCATION_PINNED, location=_Location(type=_LOCATION_DEVICE, id=device.index or 0)
+            type=_ALLOCATION_PINNED, location=_Location(type=_LOCATION_DEVICE, id=_ordinal(device))
         )
         granularity = ctypes.c_size_t()
         _check(
