@@ -6,6 +6,11 @@ hundred. This times each path on its own (no scheduler, no HTTP), as tokens comp
     python benchmarks/prefill_speed.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16 --device cuda
     python benchmarks/prefill_speed.py --model tiny:qwen2 --dtype float32 --device cpu --history 128
     python benchmarks/prefill_speed.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16 --device cuda --compile
+    python benchmarks/prefill_speed.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16 --device cuda \
+        --history 1400 --profile-rows 8 16
+
+`--profile-rows`: where one extend forward's device time goes (torch profiler, kernels grouped by kind) for R
+rows x 64 new tokens over `--history` cached ones: the agent step's next turns.
 
 - `extend`: R rows x W new tokens each over `--history` cached positions (`extend_step`, a CUDA graph on CUDA);
 - `packed`: R prompts of `--prompt` tokens from scratch (`prefill_slots`, eager);
@@ -43,6 +48,7 @@ def main() -> None:
     p.add_argument("--history", type=int, default=1024)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--profile-rows", type=int, nargs="*", default=[], help="profile an extend forward (CUDA)")
     p.add_argument(
         "--compile",
         action="store_true",
@@ -81,6 +87,49 @@ def main() -> None:
         with torch.inference_mode():
             ms = _time(lambda n=rows: batch.decode([5] * n), args.device, args.repeat)
         print(f"| decode step | {rows} | 1 | {ms * 1000:.2f} | {rows / ms:,.0f} |")
+    for rows in args.profile_rows:
+        _profile_extend(batch, rows, args.history, vocab, args.repeat)
+
+
+KERNEL_KINDS = (
+    ("attention (SDPA)", ("sdpa", "flash", "fmha", "attention")),
+    ("cache rows gathered (index_select)", ("indexselect",)),
+    ("cache written (index_put)", ("index_elementwise", "indexput")),
+    ("matrix multiplies", ("gemm", "nvjet", "cutlass", "sm90_xmma")),
+)
+
+
+def _kind(kernel: str) -> str:
+    name = kernel.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in name for m in marks)), "everything else")
+
+
+def _profile_extend(batch: SlotBatch, rows: int, history: int, vocab: int, repeat: int) -> None:
+    """Device time of one extend forward of `rows` x 64 tokens over `history` cached ones, by kernel kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = [[(7 * r + 3 * i) % (vocab - 10) + 5 for i in range(history)] for r in range(rows)]
+    batch.clear()
+    batch.admit(prompts, [1] * rows, reserve=history + 128)
+    slots = list(batch._row_slots)
+    ms = _time(lambda: _extend_once(batch, slots, 64, history, vocab), "cuda", repeat)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            _extend_once(batch, slots, 64, history, vocab)
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kind = totals.setdefault(_kind(event.key), [0.0, 0])
+            kind[0] += event.self_device_time_total / 1000 / repeat
+            kind[1] += event.count / repeat
+    device_ms = sum(ms_ for ms_, _ in totals.values())
+    print(
+        f"\nextend forward, {rows} rows x 64 over {history} cached: {ms * 1000:.2f} ms a call, {device_ms:.2f} ms of kernels"
+    )
+    print("| kernels | ms a forward | kernels a forward | share |\n| --- | ---: | ---: | ---: |")
+    for kind, (kind_ms, count) in sorted(totals.items(), key=lambda item: -item[1][0]):
+        print(f"| {kind} | {kind_ms:.2f} | {count:.0f} | {kind_ms / device_ms:.0%} |")
 
 
 def _extend_once(batch: SlotBatch, slots: list[int], width: int, history: int, vocab: int) -> None:
