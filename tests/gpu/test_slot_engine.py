@@ -35,15 +35,22 @@ TEMPERATURES = [1.0, 0.7] * 4
 """Per prompt: the logprobs reported at 0.7 are of softmax(z / 0.7), what the trainer computes."""
 
 
+def _engine(model, **options) -> EmbeddedEngine:
+    """An engine of 32 sequences x 512 positions over `model`."""
+    return EmbeddedEngine(model, load_tokenizer(SHAPE), max_num_seqs=32, max_model_len=512, **options)
+
+
+def _complete_all(engine: EmbeddedEngine, prompts, params):
+    """Every prompt's completions, the prompts sent at once."""
+
+    async def run():
+        return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+
+    return asyncio.run(run())
+
+
 def _generate(model, cuda_graphs: bool, compile_decode: bool = False):
-    engine = EmbeddedEngine(
-        model,
-        load_tokenizer(SHAPE),
-        max_num_seqs=32,
-        max_model_len=512,
-        cuda_graphs=cuda_graphs,
-        compile_decode=compile_decode,
-    )
+    engine = _engine(model, cuda_graphs=cuda_graphs, compile_decode=compile_decode)
     prompts = [[(17 * p + 5 * i) % 5000 + 10 for i in range(20 + 7 * p)] for p in range(8)]
 
     async def run():
@@ -103,14 +110,7 @@ def test_the_decode_step_compiles_when_the_engine_is_built_not_in_the_first_roll
     torch._dynamo.reset()
     _slot_batch._COMPILED.clear()
     start = time.perf_counter()
-    engine = EmbeddedEngine(
-        model,
-        load_tokenizer(SHAPE),
-        max_num_seqs=32,
-        max_model_len=512,
-        cuda_graphs=True,
-        compile_decode=True,
-    )
+    engine = _engine(model, cuda_graphs=True, compile_decode=True)
     built = time.perf_counter() - start
     try:
         assert engine.stats()["kv_slots"] == 0
@@ -128,17 +128,12 @@ def test_graphs_survive_an_in_place_weight_update_and_replay_the_new_weights():
     graph reads its weights by address) and replay the new values, as a teacher-forced forward of the new
     weights shows. A weight that moved to new memory drops them, and they are captured again."""
     model = load_causal_lm(SHAPE, dtype="float32", device="cuda").eval()
-    engine = EmbeddedEngine(
-        model, load_tokenizer(SHAPE), max_num_seqs=32, max_model_len=512, cuda_graphs=True
-    )
+    engine = _engine(model, cuda_graphs=True)
     prompts = [[(13 * p + 3 * i) % 5000 + 10 for i in range(24 + 5 * p)] for p in range(4)]
     params = SamplingParams(temperature=1.0, max_tokens=24, n=2, seed=5, ignore_eos=True)
 
     def generate():
-        async def run():
-            return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
-
-        return asyncio.run(run())
+        return _complete_all(engine, prompts, params)
 
     try:
         before = generate()
@@ -174,23 +169,13 @@ def test_a_sleep_returns_the_cache_memory_and_keeps_its_addresses_and_graphs(own
     position would poison attention). An engine that owns its weights parks them on the host: at the first
     wake they move to addresses of their own (graphs captured again), from then on they come back there."""
     model = load_causal_lm(SHAPE, dtype="float32", device="cuda").eval()
-    engine = EmbeddedEngine(
-        model,
-        load_tokenizer(SHAPE),
-        max_num_seqs=32,
-        max_model_len=512,
-        cuda_graphs=True,
-        owns_weights=owns_weights,
-    )
+    engine = _engine(model, cuda_graphs=True, owns_weights=owns_weights)
     prompts = [[(11 * p + 7 * i) % 5000 + 10 for i in range(20 + 9 * p)] for p in range(4)]
     params = SamplingParams(temperature=1.0, max_tokens=24, n=2, seed=9, ignore_eos=True)
     batch = engine._batch
 
     def generate():
-        async def run():
-            return await asyncio.gather(*[engine.generate(p, params) for p in prompts])
-
-        outs = asyncio.run(run())
+        outs = _complete_all(engine, prompts, params)
         return [o.token_ids for each in outs for o in each], outs
 
     def sleep_and_wake():
