@@ -193,7 +193,7 @@ class RolloutConfig(_Section):
     max_num_batched_tokens: int = Field(8192, ge=16)
     """Embedded engine, slot path: most prompt tokens one prefill forward computes (a longer prompt is prefilled in chunks); vLLM's name."""
     free_cache_engine: bool = True
-    """Free the engine's KV cache while training (hybrid engine sleep/wake). false keeps the cache, and the embedded engine's CUDA graphs with it (the weights are updated in place), so nothing is re-allocated or re-captured after a step (~0.8 s of graph capture a step of the 8-turn agent benchmark on an H100), for the cache's memory (3 GiB there) during the update."""
+    """Free the engine's KV cache while training (hybrid engine sleep/wake). Under CUDA graphs the embedded engine's cache keeps its addresses across the sleep, and its graphs with it (docs/rollout.md); false keeps the cache's memory too (3 GiB for the 8-turn agent benchmark on an H100) during the update, and no longer saves graph captures."""
     log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)
     """Rows per old-log-prob forward (the actor's pass before the update) on one device."""
     num_servers: int = Field(1, ge=1)
