@@ -213,5 +213,14 @@ def test_a_sleep_returns_the_cache_memory_and_keeps_its_addresses_and_graphs(own
             kept, again = sleep_and_wake()
             assert kept, "the weights did not come back to the addresses of the first wake"
             assert again == before
+        # A longer prompt grows the cache into a new reservation: what the old one held is copied, then freed.
+        reservation, length = batch._memory, batch.length
+        long_prompt = [[(5 * i) % 5000 + 10 for i in range(300)]]
+        grown = _complete_all(engine, long_prompt, params)
+        assert batch.length > length and batch._memory is not reservation and reservation.address is None
+        assert worst_logprob_gap(model, long_prompt, grown) < 1e-3
+        hits = engine.stats()["prefix_cache_hits"]
+        assert worst_logprob_gap(model, prompts, generate()[1]) < 1e-3  # read from the copied prefixes
+        assert engine.stats()["prefix_cache_hits"] > hits
     finally:
         engine.close()
