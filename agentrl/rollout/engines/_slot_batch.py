@@ -607,9 +607,14 @@ class SlotBatch:
         self._drop_rows()
         self.keys, self.values, self.length = [], [], 0
         self.drop_graphs()
-        if self._memory is not None:
-            self._memory.free()
-            self._memory = None
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            try:
+                memory.free()
+            except RuntimeError:  # after a failed step on a broken CUDA context: the process ends it
+                logger.warning(
+                    "embedded engine: the KV cache's reservation could not be freed", exc_info=True
+                )
 
     def release_cache(self) -> None:
         """Drop every row and give the cache's memory back (the hybrid engine's sleep). A cache at stable

@@ -701,8 +701,8 @@ class EmbeddedEngine:
     def sleep(self) -> None:
         """Free generation memory (KV cache; on CUDA also move weights it owns to CPU). Needs no running rows.
         Under CUDA graphs the cache keeps its addresses (`SlotBatch.release_cache`), weights it owns come back
-        to theirs (`ParkedWeights`), and the graphs stay: only their own working memory (a few hundred MiB for
-        a 0.5B model) is held while the engine sleeps."""
+        to theirs (`ParkedWeights`), and the graphs stay: only their own working memory is held while the
+        engine sleeps."""
         with self._between_steps():
             if self._rows:
                 raise RuntimeError(f"cannot sleep: {len(self._rows)} sequences are running")
