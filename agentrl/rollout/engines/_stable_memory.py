@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 import torch
 
@@ -106,8 +107,11 @@ def _device_handle(device: torch.device) -> ctypes.c_int:
 
 
 def unavailable_reason(device: torch.device) -> str | None:
-    """Why stable memory cannot be had on `device` (None: it can). Checked once per process."""
+    """Why stable memory cannot be had on `device` (None: it can). Checked once per process; `AGENTRL_STABLE_MEMORY=0`
+    turns it off (the cache and an engine's own weights are then freed at each sleep, as before it existed)."""
     global _UNAVAILABLE
+    if _UNAVAILABLE is None and os.environ.get("AGENTRL_STABLE_MEMORY", "1") == "0":
+        _UNAVAILABLE = "turned off by AGENTRL_STABLE_MEMORY=0"
     if _UNAVAILABLE is None:
         try:
             torch.cuda.synchronize(device)  # the primary context, current on this thread

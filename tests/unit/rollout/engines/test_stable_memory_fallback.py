@@ -29,3 +29,13 @@ def test_without_virtual_memory_management_nothing_is_reserved_and_the_reason_is
         "embedded engine: no stable addresses for an engine's own weights, so CUDA graphs are captured again "
         "after each sleep: the GPU or its driver lacks virtual memory management",
     ]
+
+
+def test_an_environment_variable_turns_it_off_without_asking_the_driver(monkeypatch):
+    monkeypatch.setattr(_stable_memory, "_UNAVAILABLE", None)
+    monkeypatch.setattr(_stable_memory, "_SAID", set())
+    monkeypatch.setenv("AGENTRL_STABLE_MEMORY", "0")
+    assert (
+        _stable_memory.unavailable_reason(torch.device("cuda", 0)) == "turned off by AGENTRL_STABLE_MEMORY=0"
+    )
+    assert stable_memory(1 << 20, torch.device("cuda", 0), "the KV cache") is None
