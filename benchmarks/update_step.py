@@ -8,6 +8,7 @@ the time. Each `--micro-batch` value is its own worker on the same batch, measur
     python benchmarks/update_step.py --micro-batch 64 128 --profile      # GPU, Qwen2.5-0.5B shape, bf16
     python benchmarks/update_step.py --model tiny:qwen2 --dtype float32 --device cpu --rows 64 --response 16
     python benchmarks/update_step.py --micro-batch 64 --lora-rank 32        # LoRA's update against full's
+    python benchmarks/update_step.py --micro-batch 64 --lora-rank 32 --lora-product thin   # one way everywhere
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import torch
 
 from agentrl.config import load_config
+from agentrl.training import lora_fused
 from agentrl.training.update.assembly import TrainingRow, rows_to_batch
 from agentrl.training.workers.policy_worker import PolicyWorker
 
@@ -114,9 +116,17 @@ def main() -> None:
     parser.add_argument(
         "--lora-rank", type=int, default=0, help="LoRA adapters of this rank (alpha 2R) on every linear layer"
     )
+    parser.add_argument(
+        "--lora-product",
+        choices=["auto", "thin", "merged"],
+        default="auto",
+        help="how every adapted layer computes (agentrl/training/lora_fused.py); auto picks per layer",
+    )
     parser.add_argument("--profile", action="store_true", help="profile one more call (CUDA): top kernels")
     parser.add_argument("--profile-rows", type=int, default=25)
     args = parser.parse_args()
+    if args.lora_product != "auto":  # the worker runs in this process: its layers read the constant per call
+        lora_fused.FLOPS_PER_BYTE = 0 if args.lora_product == "thin" else float("inf")
     torch.manual_seed(0)
     results = [measure(args, size) for size in args.micro_batch]
     print(

@@ -7,7 +7,8 @@ import torch
 
 from agentrl.models import load_causal_lm
 from agentrl.training.lora import adapters_disabled, apply_lora, low_precision_base_dtype
-from agentrl.training.lora_fused import is_fused, lora_linear
+from agentrl.training import lora_fused
+from agentrl.training.lora_fused import is_fused, lora_linear, merged_is_cheaper
 
 _LANGUAGE_PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
@@ -57,18 +58,33 @@ def _logits_and_grads(model, ids):
 IDS = torch.randint(10, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
-def test_lora_linear_gradients_match_finite_differences():
-    """Every gradient the fused function returns (input, base weight and bias when trainable, both adapters)."""
+@pytest.mark.parametrize("merged", [False, True], ids=["thin", "merged"])
+def test_lora_linear_gradients_match_finite_differences(merged):
+    """Every gradient the fused function returns (input, base weight and bias when trainable, both adapters),
+    either way of computing it."""
     g = torch.Generator().manual_seed(1)
     args = [torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True) for shape in
             ((2, 3, 5), (4, 5), (4,), (2, 5), (4, 2))]  # fmt: skip
-    assert torch.autograd.gradcheck(lambda *a: lora_linear(*a, 1.5), args)
+    assert torch.autograd.gradcheck(lambda *a: lora_linear(*a, 1.5, merged=merged), args)
     x, w, b, a, bb = args
     expected = x @ w.t() + b + 1.5 * (x @ a.t()) @ bb.t()
-    assert torch.allclose(lora_linear(x, w, b, a, bb, 1.5), expected)
+    assert torch.allclose(lora_linear(x, w, b, a, bb, 1.5, merged=merged), expected)
+    frozen = [t.detach().requires_grad_(i in (0, 3, 4)) for i, t in enumerate(args)]  # base frozen, as in LoRA
+    lora_linear(*frozen, 1.5, merged=merged).square().sum().backward()
+    assert frozen[1].grad is None and frozen[2].grad is None and frozen[3].grad is not None
 
 
-def test_fused_layers_give_peft_logits_and_gradients():
+def test_merged_is_picked_where_the_thin_passes_cost_more_than_the_weight_gradient():
+    """0.5B widths (896; MLP 4,864): every layer merged; a 7B's MLP (3,584 -> 18,944) and square projections
+    thin, its narrow key/value projections (3,584 -> 512) merged."""
+    assert all(merged_is_cheaper(i, o) for i, o in ((896, 896), (896, 128), (896, 4864), (4864, 896)))
+    assert not merged_is_cheaper(3584, 18944) and not merged_is_cheaper(18944, 3584)
+    assert not merged_is_cheaper(3584, 3584) and merged_is_cheaper(3584, 512)
+
+
+@pytest.mark.parametrize("flops_per_byte", [0, 10**9], ids=["thin", "merged"])
+def test_fused_layers_give_peft_logits_and_gradients(flops_per_byte, monkeypatch):
+    monkeypatch.setattr(lora_fused, "FLOPS_PER_BYTE", flops_per_byte)  # every layer one way
     model = _lora_model()
     assert sum(is_fused(m) for m in model.modules()) == 7 * model.config.num_hidden_layers
     fused_logits, fused_grads = _logits_and_grads(model, IDS)
