@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-
 # Device FLOPs a byte of memory traffic buys (an H100's bf16 tensor cores ~600 TFLOP/s at ~2.5 TB/s reached):
 # where the thin passes' bytes take longer than the weight gradient's FLOPs, merged is cheaper.
 FLOPS_PER_BYTE = 240

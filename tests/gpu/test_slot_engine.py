@@ -224,3 +224,53 @@ def test_a_sleep_returns_the_cache_memory_and_keeps_its_addresses_and_graphs(own
         assert engine.stats()["prefix_cache_hits"] > hits
     finally:
         engine.close()
+
+
+def test_a_sleep_that_discards_its_own_weights_waits_for_a_push_of_all_of_them():
+    """The synchronous step pushes every weight after the update, so an engine that owns its weights (LoRA's
+    merged copy) drops them at `sleep(discard_weights=True)` instead of parking them on the host: their memory
+    goes back to the driver too. Woken, it generates nothing until a push has loaded every weight; a push that
+    leaves one out is an error naming it; after a full push the same seeds draw the same tokens, at the
+    addresses (and with the graphs) of the first wake."""
+    model = load_causal_lm(SHAPE, dtype="float32", device="cuda").eval()
+    engine = _engine(model, cuda_graphs=True, owns_weights=True)
+    prompts = [[(13 * p + 5 * i) % 5000 + 10 for i in range(16 + 7 * p)] for p in range(3)]
+    params = SamplingParams(temperature=1.0, max_tokens=16, n=2, seed=4, ignore_eos=True)
+    pushed = {name: value.detach().cpu().clone() for name, value in model.state_dict().items()}
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def generate():
+        outs = _complete_all(engine, prompts, params)
+        return [o.token_ids for each in outs for o in each], outs
+
+    def sleep_wake_push():
+        torch.cuda.synchronize()
+        free_awake, _ = torch.cuda.mem_get_info()
+        engine.sleep(discard_weights=True)
+        free_asleep, _ = torch.cuda.mem_get_info()
+        assert free_asleep - free_awake >= weight_bytes, (free_asleep - free_awake, weight_bytes)
+        trainer = torch.full((free_asleep - free_awake,), 255, dtype=torch.uint8, device="cuda")  # NaN floats
+        del trainer
+        torch.cuda.empty_cache()
+        engine.wake_up()
+        assert engine.is_sleeping, "woke with weights it does not hold"
+        partial = {k: v for k, v in pushed.items() if k != "model.norm.weight"}
+        with pytest.raises(RuntimeError, match="did not load 1 of its weights \\(model.norm.weight"):
+            engine.update_weights(partial)
+        assert engine.is_sleeping
+        engine.update_weights(pushed)
+        assert not engine.is_sleeping
+
+    try:
+        before, _ = generate()
+        sleep_wake_push()
+        after, outs = generate()
+        assert after == before
+        assert worst_logprob_gap(model, prompts, outs) < 1e-3
+        capture = engine.stats()["busy_graph_capture_s"]
+        sleep_wake_push()
+        again, outs = generate()
+        assert again == before and worst_logprob_gap(model, prompts, outs) < 1e-3
+        assert engine.stats()["busy_graph_capture_s"] == capture, "the weights came back to new addresses"
+    finally:
+        engine.close()

@@ -40,17 +40,24 @@ class ParkedWeights:
         self._memory: StableMemory | None = None
         self._places: dict[str, torch.Tensor] = {}
         """Each weight's device tensor in `_memory` (zeroed pages until `restore` copies it back)."""
+        self.discarded: set[str] = set()
+        """Parameters `park(keep=False)` left behind: their device tensors hold nothing until a push loads them."""
 
-    def park(self) -> None:
+    def park(self, keep: bool = True) -> None:
         """Copy the weights into pinned host buffers (kept across sleeps) and free their device memory.
 
         `model.to("cpu")` copied into fresh pageable memory every time: ~1 s a step for a 0.5B model under
-        LoRA, whose engine owns a copy; pinned buffers copy at the bus's speed."""
+        LoRA, whose engine owns a copy; pinned buffers copy at the bus's speed. `keep=False`: the caller loads
+        every parameter again before the engine generates (the synchronous step's sync rewrites them all), so
+        parameters are not copied out, nor back at `restore` (buffers still are); `discarded` names them."""
         tensors = weight_tensors(self.model)
         if self._host is None:
             self._host = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in tensors}
+        parameters = {id(p) for p in self.model.parameters()}
+        self.discarded = set() if keep else {name for name, t in tensors if id(t) in parameters}
         for name, tensor in tensors:
-            self._host[name].copy_(tensor.data, non_blocking=True)
+            if name not in self.discarded:
+                self._host[name].copy_(tensor.data, non_blocking=True)
         torch.cuda.synchronize(self.device)
         for name, tensor in tensors:
             tensor.data = self._host[name]
@@ -69,12 +76,33 @@ class ParkedWeights:
             if tensor.device.type != "cpu":
                 continue
             place = self._places.get(name)
-            if place is None:
+            if name in self.discarded:  # a push fills it
+                tensor.data = torch.empty_like(tensor.data, device=self.device) if place is None else place
+            elif place is None:
                 tensor.data = tensor.data.to(self.device, non_blocking=True)
             else:
                 place.copy_(tensor.data, non_blocking=True)
                 tensor.data = place
         torch.cuda.synchronize(self.device)
+
+    def loaded(self, names: set[str]) -> None:
+        """A push wrote these weights (`model.state_dict()` names, tied ones through either name). Raises
+        naming the discarded parameters it left out: they hold nothing, and the engine must not serve them."""
+        if not self.discarded:
+            return
+        state = self.model.state_dict()
+        written = {state[name].data_ptr() for name in names if name in state}
+        self.discarded = {
+            name
+            for name, t in weight_tensors(self.model)
+            if name in self.discarded and t.data_ptr() not in written
+        }
+        if self.discarded:
+            raise RuntimeError(
+                f"the engine slept with discard_weights=True and this push did not load "
+                f"{len(self.discarded)} of its weights ({', '.join(sorted(self.discarded)[:5])}, ...): it keeps "
+                f"waiting for a push of every weight before it generates"
+            )
 
     def _reserve(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         offsets, end = {}, 0

@@ -90,6 +90,15 @@ def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
     return ids
 
 
+def _recording_names(
+    pairs: Iterable[tuple[str, torch.Tensor]], names: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`pairs` as they stream by, each name added to `names`."""
+    for name, value in pairs:
+        names.add(name)
+        yield name, value
+
+
 class EmbeddedEngine:
     """Serves one transformers model to concurrent async callers with continuous batching."""
 
@@ -656,11 +665,17 @@ class EmbeddedEngine:
         """Load full weights (a mapping, or (name, tensor) pairs streamed in) in place between two decode
         steps; returns the new policy version."""
         with self._between_steps():
+            names: set[str] = set(weights) if isinstance(weights, Mapping) else set()
+            if not isinstance(weights, Mapping):
+                weights = _recording_names(weights, names)
             load_weights_in_place(self.model, weights)
             self._batch.weights_changed()
             self._batch.forget_prefixes(self.prefix_max_weight_changes)
             self._lora.forget_base()
             self.policy_version += 1
+            if self._parked.discarded:  # woken from a `discard_weights` sleep: generate once all are loaded
+                self._parked.loaded(names)
+                self._resume()
             return self.policy_version
 
     def load_lora_adapter(self, name: str, path: str) -> int:
@@ -698,11 +713,13 @@ class EmbeddedEngine:
         with self._between_steps():
             return fingerprint_state_dict(self.model.state_dict())
 
-    def sleep(self) -> None:
+    def sleep(self, discard_weights: bool = False) -> None:
         """Free generation memory (KV cache; on CUDA also move weights it owns to CPU). Needs no running rows.
         Under CUDA graphs the cache keeps its addresses (`SlotBatch.release_cache`), weights it owns come back
         to theirs (`ParkedWeights`), and the graphs stay: only their own working memory is held while the
-        engine sleeps."""
+        engine sleeps. `discard_weights`: the caller pushes every weight after the wake (the synchronous
+        step's sync), so weights it owns are neither copied out nor back (vLLM's sleep level 2); the engine
+        generates again once that push has loaded them all."""
         with self._between_steps():
             if self._rows:
                 raise RuntimeError(f"cannot sleep: {len(self._rows)} sequences are running")
@@ -711,18 +728,23 @@ class EmbeddedEngine:
             self._batch.release_cache()
             if self._device.type == "cuda":
                 if self.owns_weights:
-                    self._parked.park()
+                    self._parked.park(keep=not discard_weights)
                 torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
-        """Undo `sleep`; requests that arrived meanwhile start now."""
+        """Undo `sleep`; requests that arrived meanwhile start now (after a `discard_weights` sleep, once a push
+        has loaded every weight: `update_weights`)."""
         with self._between_steps():
             if self._device.type == "cuda" and self.owns_weights:
                 self._parked.restore()
             self._batch.weights_changed()  # graphs kept across the sleep read the weights where they were
-            with self._cond:
-                self._asleep = False
-                self._cond.notify()
+            if not self._parked.discarded:
+                self._resume()
+
+    def _resume(self) -> None:
+        with self._cond:
+            self._asleep = False
+            self._cond.notify()
 
     @property
     def is_sleeping(self) -> bool:

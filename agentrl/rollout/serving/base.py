@@ -45,8 +45,9 @@ class PolicyServing(Protocol):
     def probe(self, prompt_ids: Sequence[int], max_tokens: int) -> list[ProbeResult]:
         """A greedy completion of `prompt_ids` from every server, with log-probs (the check of last resort)."""
 
-    def sleep(self) -> None:
-        """Free generation memory before training."""
+    def sleep(self, discard_weights: bool = False) -> None:
+        """Free generation memory before training. `discard_weights`: every weight is pushed after the wake, so
+        an engine that owns a copy need not keep it (the embedded engine; vLLM keeps its own sleep)."""
 
     def wake_up(self) -> None:
         """Take generation memory back after training."""

@@ -53,8 +53,8 @@ class EmbeddedServing:
     def probe(self, prompt_ids: Sequence[int], max_tokens: int) -> list[ProbeResult]:
         return [probe_server(self.url, self.model_name, prompt_ids, max_tokens)]
 
-    def sleep(self) -> None:
-        self.engine.sleep()
+    def sleep(self, discard_weights: bool = False) -> None:
+        self.engine.sleep(discard_weights=discard_weights)
 
     def wake_up(self) -> None:
         self.engine.wake_up()

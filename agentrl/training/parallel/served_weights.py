@@ -32,13 +32,16 @@ def _active(module: torch.nn.Module) -> list[str]:
 
 
 def _merged_weight(module: torch.nn.Module, base: torch.Tensor) -> torch.Tensor:
-    delta = torch.zeros(base.shape, dtype=torch.float32, device=base.device)
+    """W + sum of s B A over the active adapters, in float32 (one `addmm` each: no separate product, scale and add)."""
+    merged = base.to(torch.float32, copy=True)  # never the base itself: the merge adds in place
     for adapter in _active(module):
-        a = full_tensor(module.lora_A[adapter].weight).float()
-        b = full_tensor(module.lora_B[adapter].weight).float()
-        update = (b @ a).to(base.device)
-        delta += (update.T if module.fan_in_fan_out else update) * module.scaling[adapter]
-    return base.float() + delta
+        a = full_tensor(module.lora_A[adapter].weight).float().to(base.device)
+        b = full_tensor(module.lora_B[adapter].weight).float().to(base.device)
+        if module.fan_in_fan_out:
+            merged.addmm_(a.t(), b.t(), alpha=module.scaling[adapter])
+        else:
+            merged.addmm_(b, a, alpha=module.scaling[adapter])
+    return merged
 
 
 @torch.no_grad()

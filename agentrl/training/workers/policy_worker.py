@@ -234,8 +234,10 @@ class PolicyWorker:
         return counters
 
     def sleep_rollout(self) -> None:
+        """Before the update: the sync after it pushes every weight, so a copy the engine owns (LoRA's merged
+        weights) is dropped rather than parked on the host and brought back."""
         if self.rollout is not None and self.config.actor_rollout_ref.rollout.free_cache_engine:
-            self.rollout.sleep()
+            self.rollout.sleep(discard_weights=True)
 
     def wake_rollout(self) -> None:
         if self.rollout is not None and self.config.actor_rollout_ref.rollout.free_cache_engine:

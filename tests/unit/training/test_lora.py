@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from agentrl.models import load_causal_lm
-from agentrl.training.lora import adapters_disabled, apply_lora, low_precision_base_dtype
 from agentrl.training import lora_fused
+from agentrl.training.lora import adapters_disabled, apply_lora, low_precision_base_dtype
 from agentrl.training.lora_fused import is_fused, lora_linear, merged_is_cheaper
 
 _LANGUAGE_PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
@@ -69,7 +69,9 @@ def test_lora_linear_gradients_match_finite_differences(merged):
     x, w, b, a, bb = args
     expected = x @ w.t() + b + 1.5 * (x @ a.t()) @ bb.t()
     assert torch.allclose(lora_linear(x, w, b, a, bb, 1.5, merged=merged), expected)
-    frozen = [t.detach().requires_grad_(i in (0, 3, 4)) for i, t in enumerate(args)]  # base frozen, as in LoRA
+    frozen = [
+        t.detach().requires_grad_(i in (0, 3, 4)) for i, t in enumerate(args)
+    ]  # base frozen, as in LoRA
     lora_linear(*frozen, 1.5, merged=merged).square().sum().backward()
     assert frozen[1].grad is None and frozen[2].grad is None and frozen[3].grad is not None
 
