@@ -11,14 +11,15 @@ cheaper at some widths (T tokens, `in` and `out` the layer's widths, r the rank)
 - **thin**: y = x W^T + b + (x A^T)(s B)^T, the adapter product added in place (`addmm_`);
   g = dy (s B), dx = dy W + g A, dA = g^T x, dB = s dy^T (x A^T). The rank-r products are memory-bound passes
   over the activations, about T (5 in + 6 out) values forward, recomputed and backward.
-- **merged**: W' is formed by one small GEMM (`addmm`, rounded once to the input's dtype, the weight the
-  engine serves) and used as full fine-tuning uses its weight; backward forms dW' = dy^T x (full fine-tuning's
+- **merged**: W' is formed by one small GEMM (`addmm`, rounded once to the input's dtype, as the engine's
+  merged copy is) and used as full fine-tuning uses its weight; backward forms dW' = dy^T x (full fine-tuning's
   weight gradient, 2 T in out FLOPs on the tensor cores) and reads the adapters' gradients from it:
   dA = (s B)^T dW', dB = s dW' A^T. Few, large kernels: the host keeps ahead of the device.
 `merged_is_cheaper` picks per layer from that arithmetic: at a 0.5B model's widths merged (the thin passes cost
-1.6-3x the weight gradient there, and their many small kernels leave the device waiting on the host), at a
-7B model's MLP and square projections thin. Like full fine-tuning's bf16 compute from float32 weights, the
-merged forward sees an adapter change once it moves W' by half a bf16 step; gradients reach A and B exactly.
+1.6-3x the weight gradient there, and their many small kernels leave the device waiting on the host), at 3B
+and 7B shapes thin for the MLP and the square projections, merged for the narrow key and value projections.
+Like full fine-tuning's bf16 compute from float32 weights, the merged forward sees an adapter change once it
+moves W' by half a bf16 step; gradients reach A and B exactly.
 Only vanilla LoRA with one active adapter and no dropout takes this path; anything else (disabled or merged
 adapters, dropout, DoRA, several adapters) runs peft's own forward.
 """
@@ -31,9 +32,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# Device FLOPs a byte of memory traffic buys (an H100's bf16 tensor cores ~600 TFLOP/s at ~2.5 TB/s reached):
-# where the thin passes' bytes take longer than the weight gradient's FLOPs, merged is cheaper.
-FLOPS_PER_BYTE = 240
+# Device FLOPs a byte of memory traffic buys: where the thin passes' bytes take longer than the weight gradient's
+# FLOPs, merged is cheaper. An H100's bf16 peaks (~990 TFLOP/s, 3.35 TB/s) give ~300, the rates reached ~240;
+# 160 is what its update times drew (`benchmarks/update_step.py`: at the 0.5B shape merged 2% faster than thin,
+# at the 3B shape thin 6% faster than merged), the small products' host time leaning against merged.
+FLOPS_PER_BYTE = 160
 
 
 def merged_is_cheaper(in_features: int, out_features: int) -> bool:

@@ -77,11 +77,12 @@ def test_lora_linear_gradients_match_finite_differences(merged):
 
 
 def test_merged_is_picked_where_the_thin_passes_cost_more_than_the_weight_gradient():
-    """0.5B widths (896; MLP 4,864): every layer merged; a 7B's MLP (3,584 -> 18,944) and square projections
-    thin, its narrow key/value projections (3,584 -> 512) merged."""
+    """0.5B widths (896; MLP 4,864): every layer merged; 3B and 7B MLPs and square projections thin (where an
+    H100 measured thin faster at 3B), their narrow key/value projections merged."""
     assert all(merged_is_cheaper(i, o) for i, o in ((896, 896), (896, 128), (896, 4864), (4864, 896)))
-    assert not merged_is_cheaper(3584, 18944) and not merged_is_cheaper(18944, 3584)
-    assert not merged_is_cheaper(3584, 3584) and merged_is_cheaper(3584, 512)
+    assert not any(merged_is_cheaper(i, o) for i, o in ((2048, 2048), (2048, 11008), (11008, 2048)))
+    assert not merged_is_cheaper(3584, 18944) and not merged_is_cheaper(3584, 3584)
+    assert merged_is_cheaper(2048, 256) and merged_is_cheaper(3584, 512)
 
 
 @pytest.mark.parametrize("flops_per_byte", [0, 10**9], ids=["thin", "merged"])
