@@ -1,4 +1,4 @@
-"""A LoRA linear layer's forward and backward in the input's dtype, without peft's per-layer copies.
+"""A LoRA linear layer's forward and backward as one autograd function, in the input's dtype.
 
 peft computes `base(x) + lora_B(lora_A(dropout(x))) * scaling`: with float32 adapters on a bf16 base it copies
 every adapted layer's input to float32, and autograd adds a full-size multiply and add per layer forward and
@@ -14,8 +14,7 @@ cheaper at some widths (T tokens, `in` and `out` the layer's widths, r the rank)
 - **merged**: W' is formed by one small GEMM (`addmm`, rounded once to the input's dtype, as the engine's
   merged copy is) and used as full fine-tuning uses its weight; backward forms dW' = dy^T x (full fine-tuning's
   weight gradient, 2 T in out FLOPs on the tensor cores) and reads the adapters' gradients from it:
-  dA = (s B)^T dW', dB = s dW' A^T. Few, large kernels, all in plain differentiable ops, so autograd's C++
-  runs the backward: the host keeps ahead of the device.
+  dA = (s B)^T dW', dB = s dW' A^T. Few, large kernels: the host keeps ahead of the device.
 `merged_is_cheaper` picks per layer from that arithmetic: at a 0.5B model's widths merged (the thin passes cost
 1.6-3x the weight gradient there, and their many small kernels leave the device waiting on the host), at 3B
 and 7B shapes thin for the MLP and the square projections, merged for the narrow key and value projections.
@@ -88,12 +87,33 @@ class _ThinLoRALinear(torch.autograd.Function):
         return dx, dweight, dbias, da, db, None
 
 
-def _merged_lora_linear(x, weight, bias, lora_a, lora_b, scaling: float) -> torch.Tensor:
-    """The merged way in plain differentiable ops: autograd's own (C++) backward forms dW' from the linear and
-    the adapters' gradients from the `addmm` (the scaling rides on its alpha), with no Python per layer on the
-    way back (W' is kept for it)."""
-    merged = torch.addmm(weight, lora_b.to(x.dtype), lora_a.to(x.dtype), alpha=scaling)
-    return F.linear(x, merged, bias)
+class _MergedLoRALinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
+        a, b = _adapters(lora_a, lora_b, scaling, x.dtype)
+        y = F.linear(x, torch.addmm(weight, b, a), bias)
+        _save(ctx, scaling, x, bias, lora_a, lora_b, x, weight, a, b)  # W' is formed again in backward
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, a, b = ctx.saved_tensors
+        flat = x.reshape(-1, x.shape[-1])
+        dy = dy.reshape(-1, dy.shape[-1])
+        dx = dweight = dbias = da = db = None
+        if ctx.needs_input_grad[0]:
+            dx = (dy @ torch.addmm(weight, b, a)).view(ctx.input_shape)
+        if any(ctx.needs_input_grad[i] for i in (1, 3, 4)):
+            dmerged = dy.t() @ flat  # dL/dW', as full fine-tuning's weight gradient
+            if ctx.needs_input_grad[1]:
+                dweight = dmerged.to(weight.dtype)
+            if ctx.needs_input_grad[3]:
+                da = (b.t() @ dmerged).to(ctx.lora_dtypes[0])
+            if ctx.needs_input_grad[4]:
+                db = ((dmerged @ a.t()) * ctx.scaling).to(ctx.lora_dtypes[1])
+        if ctx.needs_input_grad[2]:
+            dbias = dy.sum(0).to(ctx.bias_dtype)
+        return dx, dweight, dbias, da, db, None
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, merged: bool | None = None) -> torch.Tensor:
@@ -101,9 +121,8 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, merged: bool | 
     `merged`: which way (module docstring); None picks by `merged_is_cheaper` for the layer's widths."""
     if merged is None:
         merged = merged_is_cheaper(weight.shape[1], weight.shape[0])
-    if merged:
-        return _merged_lora_linear(x, weight, bias, lora_a, lora_b, scaling)
-    return _ThinLoRALinear.apply(x, weight, bias, lora_a, lora_b, scaling)
+    function = _MergedLoRALinear if merged else _ThinLoRALinear
+    return function.apply(x, weight, bias, lora_a, lora_b, scaling)
 
 
 def _fusable(layer: Any) -> str | None:
