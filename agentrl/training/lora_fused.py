@@ -1,4 +1,4 @@
-"""A LoRA linear layer's forward and backward as one autograd function, in the input's dtype.
+"""A LoRA linear layer's forward and backward as an autograd function, in the input's dtype.
 
 peft computes `base(x) + lora_B(lora_A(dropout(x))) * scaling`: with float32 adapters on a bf16 base it copies
 every adapted layer's input to float32, and autograd adds a full-size multiply and add per layer forward and
