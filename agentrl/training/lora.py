@@ -2,8 +2,8 @@
 
 Only adapter parameters are trained when `actor_rollout_ref.model.lora_rank > 0`. The reference policy is the
 same model with its adapter disabled, so LoRA needs no second copy of the base weights. Each adapted linear
-layer runs fused (`lora_fused.py`: thin or merged by its widths, in the input's dtype). The weights the engine serves
-(adapters merged) come from `agentrl.training.parallel.served_weights`.
+layer runs fused (`lora_fused.py`: thin or merged by its widths, in the input's dtype). The weights the engine
+serves (adapters merged) come from `agentrl.training.parallel.served_weights`.
 """
 
 from __future__ import annotations
