@@ -36,15 +36,15 @@ def _train(tmp_path: Path, *overrides: str):
 
 def test_grpo_raises_held_out_accuracy_after_the_warm_start(tmp_path):
     result = _train(
-        tmp_path, "trainer.total_training_steps=30", "trainer.test_freq=30", "trainer.save_freq=-1"
+        tmp_path, "trainer.total_training_steps=100", "trainer.test_freq=100", "trainer.save_freq=-1"
     )
     before = result.initial_val_metrics["val/accuracy"]
     after = result.metrics["val/accuracy"]
-    # The warm start answers about a quarter of the 200 held-out sums, and 25 GRPO steps raised that to 0.48 (seed 1
-    # in docs/benchmarks.md: 0.27 -> 0.48 -> 0.745 at step 100). Two runs of the same code differ by a few problems
-    # (the engine's batches, hence float rounding and near-tie draws, depend on arrival timing), so the check asks
-    # for 20 more problems. The training reward over 128 episodes a step rose from 0.12 (steps 1-10) to 0.22
-    # (steps 21-30) in that run.
+    # The warm start answers about a quarter to a third of the 200 held-out sums. Seed 1 in docs/benchmarks.md
+    # went 0.27 -> 0.48 at step 25 -> 0.745 at step 100; on another CPU kind (AMD EPYC with AVX-512: other float
+    # rounding, another trajectory) the same code went 0.325 -> 0.285-0.44 over steps 10-60 (the held-out figure
+    # swings by +-0.08 between evaluations there) -> 0.605 at step 100, its training reward 0.13 (steps 1-10) ->
+    # 0.32 (steps 91-100). So the check is at step 100 and asks for 20 more problems than the warm start.
     assert after >= before + 0.10, (before, after)
     assert result.metrics["val/num_episodes"] == 200
     history = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -52,7 +52,7 @@ def test_grpo_raises_held_out_accuracy_after_the_warm_start(tmp_path):
         row["critic/full-score/mean"] for row in history if row.get("critic/full-score/mean") is not None
     ]
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
-    assert len(reward) == 30 and last >= first + 0.05, (first, last)
+    assert len(reward) == 100 and last >= first + 0.05, (first, last)
 
 
 def test_gae_trains_a_critic(tmp_path):
