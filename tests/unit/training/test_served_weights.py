@@ -1,0 +1,37 @@
+"""The weights the engine serves for a LoRA actor: each adapted weight merged as W + s B A, in either layout."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers.pytorch_utils import Conv1D
+
+from agentrl.training.parallel.served_weights import served_state_dict
+
+
+class _TwoLayers(torch.nn.Module):
+    """A Linear (weight out x in) and a GPT-2 style Conv1D (weight in x out: peft's fan_in_fan_out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 3)
+        self.conv = Conv1D(3, 5)  # 5 inputs, 3 outputs
+
+
+@pytest.mark.parametrize("layer, fan_in_fan_out", [("linear", False), ("conv", True)])
+def test_served_weight_is_the_base_plus_the_scaled_adapter_product_and_leaves_the_base(layer, fan_in_fan_out):
+    torch.manual_seed(0)
+    config = LoraConfig(r=2, lora_alpha=6, target_modules=[layer], fan_in_fan_out=fan_in_fan_out)
+    model = get_peft_model(_TwoLayers(), config)
+    adapted = getattr(model.base_model.model, layer)
+    with torch.no_grad():
+        adapted.lora_B["default"].weight.normal_()  # peft starts B at zero: the merge would add nothing
+    base = adapted.base_layer.weight.detach().clone()
+    a, b = adapted.lora_A["default"].weight, adapted.lora_B["default"].weight
+    update = (b @ a).detach() * 3.0  # scaling = alpha / r
+    expected = base + (update.t() if fan_in_fan_out else update)
+
+    served = served_state_dict(model)
+
+    assert torch.allclose(served[f"{layer}.weight"], expected, atol=1e-6)
+    assert (served[f"{layer}.weight"] - base).abs().max() > 0.1
+    assert torch.equal(adapted.base_layer.weight, base)  # merged into a copy, never into the trainer's base
