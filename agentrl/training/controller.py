@@ -213,6 +213,10 @@ class Controller:
         self.pipeline: RolloutPipeline | None = None
         """Rollouts collected ahead of training (`async_training`); None in the synchronous loop."""
         self.served_version: int | None = None
+        self.runner: asyncio.Runner | None = None
+        """One event loop for every collection of the run, made in `setup`: a Ctrl-C that lands while a step
+        starts its collection then never meets a loop half-built (asyncio.run made one per step), and the
+        gateway's HTTP clients live across steps."""
 
     # ---- setup ------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -226,6 +230,8 @@ class Controller:
             else ("cuda" if torch.cuda.is_available() else "cpu")
         )
         torch.manual_seed(cfg.trainer.seed)
+        self.runner = asyncio.Runner()
+        self.runner.get_loop()
         self.policy, self.critic, self.cluster = build_worker_groups(cfg, self.total_steps, device)
         resume_from = resolve_resume_checkpoint(
             cfg.trainer.resume_mode, self.run_dir / "checkpoints", cfg.trainer.resume_from_path
@@ -473,7 +479,7 @@ class Controller:
     def run_episodes(self, tasks: list[Task], n: int, mode: str, desc: str) -> list[Episode]:
         """Collect `n` rollouts per task and score them; failed rollouts are kept, unscored."""
         bar = progress_bar(desc, len(tasks) * n)
-        episodes = asyncio.run(
+        episodes = self.runner.run(
             self.collector.collect(self.flow, tasks, n, mode=mode, on_episode=lambda _e: bar.update(1))
         )
         bar.close()
@@ -615,6 +621,9 @@ class Controller:
             if part is not None:
                 part.shutdown()
         self.stack = self.policy = self.critic = self.cluster = None
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
         if self.tracker is not None:
             self.tracker.finish(status=status)
             self.tracker = None
