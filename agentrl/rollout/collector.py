@@ -22,6 +22,7 @@ import openai
 
 from agentrl.flow import AgentFlow, RolloutContext
 from agentrl.rollout.client_transform import fast_transform, install_fast_transform
+from agentrl.rollout.flow_client import flow_client, prime_platform
 from agentrl.rollout.gateway import refusal_reason
 from agentrl.rollout.http_transport import ShardedHTTPTransport
 from agentrl.rollout.loop_watchdog import LoopLagWatchdog
@@ -80,6 +81,7 @@ class RolloutCollector:
         self.limits = limits
         self._rounds = 0
         install_fast_transform()
+        prime_platform()
 
     def state_dict(self) -> dict[str, int]:
         """The round counter that session ids (and so sampling seeds) derive from; a checkpoint keeps it."""
@@ -149,9 +151,7 @@ class RolloutCollector:
         self, flow: AgentFlow, task: Task, session_id: str, mode: str, http: httpx.AsyncClient
     ) -> Episode:
         base_url = self.backend.open_session(session_id, mode, max_calls=self.limits.max_steps)
-        client = openai.AsyncOpenAI(
-            base_url=base_url, api_key="agentrl", max_retries=0, timeout=self.limits.timeout, http_client=http
-        )
+        client = flow_client(base_url, self.limits.timeout, http)
         ctx = RolloutContext(
             client=client,
             model=self.model_name,

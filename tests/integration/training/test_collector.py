@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -406,3 +407,43 @@ def test_flows_call_the_model_on_the_fast_request_path_and_other_code_does_not(s
     assert all(e.error is None for e in episodes)
     assert all(e.trajectories and e.trajectories[0].steps for e in episodes)
     assert client_transform._ACTIVE.get() is False
+
+
+class _CountingExecutor(ThreadPoolExecutor):
+    """The event loop's default executor, counting what is sent to its threads."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=2)
+        self.submitted = 0
+
+    def submit(self, *args, **kwargs):
+        self.submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+def test_a_flows_model_calls_stay_on_the_event_loop(stack):
+    """A fresh openai client asks for its platform in a worker thread at its first request; the collector's
+    clients already know it, so rollouts make no thread hop (one per rollout before, on the loop that also runs
+    the gateway and the server). The same first call from a plain client does hop: the count sees it."""
+
+    async def counted(run) -> int:
+        executor = _CountingExecutor()
+        asyncio.get_running_loop().set_default_executor(executor)
+        await run()
+        return executor.submitted
+
+    async def collect_four() -> None:
+        episodes = await _collect(stack, _chat_once, [Task(id="t")], n=4)
+        assert all(e.error is None and e.trajectories[0].steps for e in episodes)
+
+    async def plain_client_call() -> None:
+        url = stack.backend.open_session("plain", "train", max_calls=1)
+        try:
+            client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0)
+            await client.chat.completions.create(model=stack.model_name, messages=MESSAGES)
+            await client.close()
+        finally:
+            stack.backend.close_session("plain")
+
+    assert asyncio.run(counted(collect_four)) == 0
+    assert asyncio.run(counted(plain_client_call)) >= 1
