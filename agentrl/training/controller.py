@@ -213,10 +213,10 @@ class Controller:
         self.pipeline: RolloutPipeline | None = None
         """Rollouts collected ahead of training (`async_training`); None in the synchronous loop."""
         self.served_version: int | None = None
-        self.runner: asyncio.Runner | None = None
-        """One event loop for every collection of the run, made in `setup`: a Ctrl-C that lands while a step
-        starts its collection then never meets a loop half-built (asyncio.run made one per step), and the
-        gateway's HTTP clients live across steps."""
+        self.runner: asyncio.Runner | None = asyncio.Runner()
+        """One event loop for every collection of the run, made in `setup` (or at the first collection): a
+        Ctrl-C that lands while a step starts its collection then never meets a loop half-built (asyncio.run
+        made one per step), and the gateway's HTTP clients live across steps."""
 
     # ---- setup ------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -230,7 +230,6 @@ class Controller:
             else ("cuda" if torch.cuda.is_available() else "cpu")
         )
         torch.manual_seed(cfg.trainer.seed)
-        self.runner = asyncio.Runner()
         self.runner.get_loop()
         self.policy, self.critic, self.cluster = build_worker_groups(cfg, self.total_steps, device)
         resume_from = resolve_resume_checkpoint(
