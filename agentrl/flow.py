@@ -47,6 +47,26 @@ class AgentFlow(ABC):
     async def run(self, task: Task, ctx: RolloutContext) -> FlowResult:
         """Run the agent on one task; return the final answer, a Trajectory or an Episode."""
 
+    run_group: Callable[[Task, RolloutContext, int], Awaitable[list[FlowResult]]] | None = None
+    """Optional, for a flow that makes exactly one model call: `async def run_group(self, task, ctx, n)` makes that
+    call once with `n=n` and returns the n rollouts' results, choice i's first. The collector then samples a
+    task's `rollout.n` rollouts in one request (`agent.group_calls`), where `run` would make n requests that each
+    pay the client's, the gateway's and the server's work for a call. Used only where the class that defines
+    `run_group` is the one of `run` or a subclass of it (see `group_runner`)."""
+
+
+def group_runner(
+    flow: AgentFlow,
+) -> Callable[[Task, RolloutContext, int], Awaitable[list[FlowResult]]] | None:
+    """`flow.run_group`, or None when the flow has none or its `run` is overridden below its `run_group` (a
+    subclass that changes `run` only): the inherited `run_group` would skip the subclass's own `run`."""
+    if getattr(flow, "run_group", None) is None:
+        return None
+    mro = type(flow).__mro__
+    group_owner = next(cls for cls in mro if "run_group" in cls.__dict__)
+    run_owner = next(cls for cls in mro if "run" in cls.__dict__)
+    return flow.run_group if issubclass(group_owner, run_owner) else None
+
 
 class _FunctionFlow(AgentFlow):
     def __init__(self, fn: Callable[[Task, RolloutContext], Awaitable[FlowResult]], name: str) -> None:
@@ -84,3 +104,8 @@ class SingleTurnChatFlow(AgentFlow):
     async def run(self, task: Task, ctx: RolloutContext) -> str:
         reply = await ctx.client.chat.completions.create(model=ctx.model, messages=task[self.prompt_key])
         return reply.choices[0].message.content or ""
+
+    async def run_group(self, task: Task, ctx: RolloutContext, n: int) -> list[str]:
+        """`n` rollouts of `run` in one call with `n` choices."""
+        reply = await ctx.client.chat.completions.create(model=ctx.model, messages=task[self.prompt_key], n=n)
+        return [choice.message.content or "" for choice in sorted(reply.choices, key=lambda c: c.index)]

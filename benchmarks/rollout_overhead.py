@@ -15,6 +15,8 @@ N concurrent single-turn chat calls, every answer exactly `--tokens` tokens long
   collector-inproc   the same with the pool calling the engine's server in-process
   collector-asgi-hop the same with the collector calling the gateway in-process too (pool -> server over ASGI)
   collector-asgi     ... and the pool calling the server's handler directly: what training runs
+  collector-group-calls  the same N rollouts as N/--group tasks x n=--group, one call per rollout
+  collector-grouped  the same tasks, each task's group in one call with n choices (`agent.group_calls`)
 
 Rows are measured round-robin `--repeats` times; the median wall time is reported, with ms per call
 and completion tokens/s. The split below the table is the difference between adjacent rows.
@@ -118,21 +120,32 @@ async def run_openai(base_url: str, conversations, tokens: int, app=None) -> int
     return sum(r.usage.completion_tokens for r in replies)
 
 
-async def run_collector(gateway: Gateway, conversations, calls: int, in_process: bool = False) -> int:
-    limits = CollectorLimits(max_steps=2, n_parallel_tasks=calls)
+async def run_collector(
+    gateway: Gateway,
+    conversations,
+    calls: int,
+    in_process: bool = False,
+    group: int = 1,
+    grouped: bool = False,
+) -> int:
+    """`calls` rollouts of SingleTurnChatFlow: `calls / group` tasks x n=`group`, in one call per task when
+    `grouped` (`agent.group_calls`), else one call per rollout."""
+    limits = CollectorLimits(max_steps=2, n_parallel_tasks=calls, group_calls=grouped, max_n=group)
     collector = RolloutCollector(gateway, MODEL_NAME, limits, in_process=in_process)
-    tasks = [Task(id=f"t{i}", data={"prompt": m}) for i, m in enumerate(conversations)]
-    episodes = await collector.collect(SingleTurnChatFlow(), tasks, n=1)
+    tasks = [Task(id=f"t{i}", data={"prompt": m}) for i, m in enumerate(conversations[: calls // group])]
+    episodes = await collector.collect(SingleTurnChatFlow(), tasks, n=group)
     errors = [e.error for e in episodes if e.error]
     if errors:
         raise RuntimeError(f"{len(errors)} rollouts failed; first: {errors[0]}")
     return sum(len(s.response_ids) for e in episodes for t in e.trajectories for s in t.steps)
 
 
-def build_gateway(server_url: str, tokens: int, *, in_process: bool, direct: bool = True) -> Gateway:
+def build_gateway(
+    server_url: str, tokens: int, *, in_process: bool, direct: bool = True, max_n: int = 1
+) -> Gateway:
     pool = RolloutPool([server_url], model_name=MODEL_NAME, in_process=in_process, direct=direct)
     # The mode fixes the length too, so the collector's plain flow gets `tokens`-long answers.
-    return Gateway(pool, sampling_train=fixed_length(tokens), max_n=1).start()
+    return Gateway(pool, sampling_train=fixed_length(tokens), max_n=max_n).start()
 
 
 def main() -> int:
@@ -147,6 +160,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rows", nargs="+", help="measure only these rows (names as in the table)")
+    parser.add_argument("--group", type=int, default=8, help="rollouts per task of the collector-group* rows")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -162,10 +176,10 @@ def main() -> int:
         max_model_len=512,
         compile_decode=args.device == "cuda",  # what training runs on a GPU (rollout.compile_decode)
     )
-    app = build_server_app(engine, tokenizer, model_name=MODEL_NAME, max_model_len=512, max_n=1)
+    app = build_server_app(engine, tokenizer, model_name=MODEL_NAME, max_model_len=512, max_n=args.group)
     server = start_server_in_thread(app)
     via_tcp = build_gateway(server.url, args.tokens, in_process=False)
-    in_proc = build_gateway(server.url, args.tokens, in_process=True)
+    in_proc = build_gateway(server.url, args.tokens, in_process=True, max_n=args.group)
     asgi_hop = build_gateway(server.url, args.tokens, in_process=True, direct=False)
     n, t = args.calls, args.tokens
 
@@ -184,6 +198,10 @@ def main() -> int:
         "collector-inproc": lambda: run_collector(in_proc, conversations, n),
         "collector-asgi-hop": lambda: run_collector(asgi_hop, conversations, n, in_process=True),
         "collector-asgi": lambda: run_collector(in_proc, conversations, n, in_process=True),
+        "collector-group-calls": lambda: run_collector(in_proc, conversations, n, True, group=args.group),
+        "collector-grouped": lambda: run_collector(
+            in_proc, conversations, n, True, group=args.group, grouped=True
+        ),
     }
 
     if args.rows:
@@ -232,7 +250,8 @@ def main() -> int:
              ("collector + flow (pool in-process)", "gateway-inproc", "collector-inproc"),
              ("full path saved by the in-process pool", "collector-inproc", "collector-http"),
              ("collector -> gateway TCP hop", "collector-asgi", "collector-inproc"),
-             ("pool -> server: ASGI hop vs direct call", "collector-asgi", "collector-asgi-hop")]  # fmt: skip
+             ("pool -> server: ASGI hop vs direct call", "collector-asgi", "collector-asgi-hop"),
+             ("a task's group in one call vs n calls", "collector-grouped", "collector-group-calls")]  # fmt: skip
     print("\nsplit (difference of median wall times, s):")
     for label, a, b in steps:
         if a not in median or b not in median:

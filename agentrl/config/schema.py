@@ -178,6 +178,8 @@ class AgentConfig(_Section):
     """Attempts per episode when the flow raises (1 = no retry)."""
     timeout: float = Field(120.0, gt=0.0)
     """Seconds an episode may run before it ends as timeout."""
+    group_calls: bool = True
+    """A flow that defines `run_group` (SingleTurnChatFlow does) samples a task's rollout.n episodes in one call with n choices instead of n calls (up to rollout.max_n_per_request); false: n calls, n sessions."""
     cumulative_token_mode: bool = True
     """A chat turn that re-sends its session's history (the same messages, the reply it was given, then new messages) continues from the sampled token ids instead of re-rendering the text, so it merges into the episode's training row (rLLM's name; docs/rollout.md)."""
     stepwise_advantage: StepwiseAdvantageConfig = Field(default_factory=StepwiseAdvantageConfig)

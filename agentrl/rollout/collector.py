@@ -13,14 +13,14 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import httpx
 import openai
 
-from agentrl.flow import AgentFlow, RolloutContext
+from agentrl.flow import AgentFlow, RolloutContext, group_runner
 from agentrl.rollout.client_transform import fast_transform, install_fast_transform
 from agentrl.rollout.flow_client import flow_client, prime_platform
 from agentrl.rollout.gateway import refusal_reason
@@ -66,6 +66,10 @@ class CollectorLimits:
     max_prompt_length: int = 1024
     loop_lag_warning: float = 2.0
     """Seconds the event loop may go without running before the watchdog warns that the flow blocks it."""
+    group_calls: bool = True
+    """`agent.group_calls`: a flow with `run_group` samples a task's n rollouts in one call."""
+    max_n: int = 16
+    """The largest `n` the gateway takes in one call (`rollout.max_n_per_request`)."""
 
 
 class RolloutCollector:
@@ -93,8 +97,13 @@ class RolloutCollector:
     async def collect(
         self, flow: AgentFlow, tasks: Sequence[Task], n: int, mode: str = "train", on_episode=None
     ) -> list[Episode]:
-        """`n` rollouts of every task, at most `agent.n_parallel_tasks` at a time; never raises."""
-        gate = asyncio.Semaphore(self.limits.n_parallel_tasks)
+        """`n` rollouts of every task, at most `agent.n_parallel_tasks` at a time; never raises.
+
+        A flow with a usable `run_group` (`flow.group_runner`) samples each task's n rollouts in one call
+        (`agent.group_calls`, n up to the gateway's `max_n`); a group takes n of the parallel slots."""
+        run_group = group_runner(flow) if self.limits.group_calls and 1 < n <= self.limits.max_n else None
+        slots = self.limits.n_parallel_tasks // n if run_group is not None else self.limits.n_parallel_tasks
+        gate = asyncio.Semaphore(max(1, slots))
         round_id = self._rounds
         self._rounds += 1
 
@@ -112,15 +121,27 @@ class RolloutCollector:
         )
         async with httpx.AsyncClient(timeout=self.limits.timeout, transport=transport) as http:
 
-            async def one(task: Task, sample: int) -> Episode:
+            async def one(task: Task, sample: int) -> list[Episode]:
                 async with gate:
                     episode = await self._rollout(flow, task, sample, mode, http, round_id)
                 if on_episode is not None:
                     on_episode(episode)
-                return episode
+                return [episode]
 
+            async def group(task: Task) -> list[Episode]:
+                async with gate:
+                    episodes = await self._group_rollout(flow, run_group, task, n, mode, http, round_id)
+                for episode in episodes if on_episode is not None else ():
+                    on_episode(episode)
+                return episodes
+
+            runs = (
+                [group(task) for task in tasks]
+                if run_group is not None
+                else [one(task, i) for task in tasks for i in range(n)]
+            )
             async with LoopLagWatchdog(flow, self.limits.loop_lag_warning) as watchdog:
-                episodes = list(await asyncio.gather(*(one(task, i) for task in tasks for i in range(n))))
+                episodes = [e for batch in await asyncio.gather(*runs) for e in batch]
         blocked = watchdog.longest_stall >= self.limits.loop_lag_warning
         for episode in episodes:
             if episode.termination_reason == TerminationReason.TIMEOUT and blocked:
@@ -139,79 +160,132 @@ class RolloutCollector:
         for attempt in range(self.limits.retry_limit):
             # Deterministic ids: the gateway derives each call's sampling seed from them (repeatable runs).
             session_id = f"{mode}{round_id}-{task.id}.{sample}.a{attempt}"
-            episode = await self._attempt(flow, task, session_id, mode, http)
-            retryable = episode.metrics.pop("_retryable", 0.0)
-            if not retryable or attempt == self.limits.retry_limit - 1:
+            run = await self._run_session(session_id, mode, http, lambda ctx: flow.run(task, ctx))
+            episode = self._episode(task, flow.name, run.result, run, run.traces)
+            if not run.retryable or attempt == self.limits.retry_limit - 1:
                 break
         episode.id = f"{task.id}:{sample}"
         episode.metrics["retries"] = float(attempt)
         return episode
 
-    async def _attempt(
-        self, flow: AgentFlow, task: Task, session_id: str, mode: str, http: httpx.AsyncClient
-    ) -> Episode:
+    async def _group_rollout(
+        self,
+        flow: AgentFlow,
+        run_group,
+        task: Task,
+        n: int,
+        mode: str,
+        http: httpx.AsyncClient,
+        round_id: int,
+    ) -> list[Episode]:
+        """A task's n rollouts from one `run_group` call: choice i's trace and result make episode i. A failure
+        of the call fails all n (and is retried as a whole)."""
+        for attempt in range(self.limits.retry_limit):
+            session_id = f"{mode}{round_id}-{task.id}.group.a{attempt}"
+            run = await self._run_session(session_id, mode, http, lambda ctx: run_group(task, ctx, n))
+            if run.reason is None and (problem := _group_problem(run.result, run.traces, n)) is not None:
+                run.reason, run.error, run.result = TerminationReason.ERROR, problem, None
+            if not run.retryable or attempt == self.limits.retry_limit - 1:
+                break
+        episodes = []
+        for sample in range(n):
+            result = run.result[sample] if run.result is not None else None
+            traces = [run.traces[sample]] if len(run.traces) == n else []
+            episode = self._episode(task, flow.name, result, run, traces)
+            episode.id = f"{task.id}:{sample}"
+            episode.metrics["retries"] = float(attempt)
+            episodes.append(episode)
+        return episodes
+
+    async def _run_session(self, session_id: str, mode: str, http: httpx.AsyncClient, body) -> SessionRun:
+        """Run `body(ctx)` in a fresh gateway session; what it returned or why it failed, and the session's traces."""
         base_url = self.backend.open_session(session_id, mode, max_calls=self.limits.max_steps)
-        client = flow_client(base_url, self.limits.timeout, http)
         ctx = RolloutContext(
-            client=client,
+            client=flow_client(base_url, self.limits.timeout, http),
             model=self.model_name,
             session_id=session_id,
             base_url=base_url,
             max_steps=self.limits.max_steps,
             mode=mode,
         )
-        started = time.perf_counter()
-        result, reason, error, retryable = None, None, None, False
+        run = SessionRun(started=time.perf_counter())
         try:
-            result = await asyncio.wait_for(_run_flow(flow, task, ctx), timeout=self.limits.timeout)
+            run.result = await asyncio.wait_for(_run_flow(body, ctx), timeout=self.limits.timeout)
         except asyncio.TimeoutError:
-            reason, error = (
-                TerminationReason.TIMEOUT,
-                f"rollout exceeded agent.timeout={self.limits.timeout}s",
-            )
+            run.reason = TerminationReason.TIMEOUT
+            run.error = f"rollout exceeded agent.timeout={self.limits.timeout}s"
         except openai.BadRequestError as exc:
-            reason = refusal_reason(exc.code)  # the gateway's refusals, by error.code (never by text)
-            if reason is None:
-                reason, error = TerminationReason.ERROR, f"{exc!r}\n{traceback.format_exc()}"
+            run.reason = refusal_reason(exc.code)  # the gateway's refusals, by error.code (never by text)
+            if run.reason is None:
+                run.reason, run.error = TerminationReason.ERROR, f"{exc!r}\n{traceback.format_exc()}"
         except _RETRYABLE as exc:
-            reason, error, retryable = TerminationReason.ERROR, f"{exc!r}\n{traceback.format_exc()}", True
-        except Exception as exc:  # noqa: BLE001 - a failing agent costs one rollout, not the run
-            reason, error = TerminationReason.ERROR, f"{exc!r}\n{traceback.format_exc()}"
-        finally:
-            traces = self.backend.session_traces(session_id)
-            refused = self.backend.refused_calls(session_id)
-            refused_prompts = self.backend.refused_prompts(session_id)
-            self.backend.close_session(session_id)
-        try:
-            episode = (
-                build_episode(task, flow.name, result, traces)
-                if reason is None
-                else build_episode(task, flow.name, None, traces)
+            run.reason, run.error, run.retryable = (
+                TerminationReason.ERROR,
+                f"{exc!r}\n{traceback.format_exc()}",
+                True,
             )
+        except Exception as exc:  # noqa: BLE001 - a failing agent costs one rollout, not the run
+            run.reason, run.error = TerminationReason.ERROR, f"{exc!r}\n{traceback.format_exc()}"
+        finally:
+            run.traces = self.backend.session_traces(session_id)
+            run.refused = self.backend.refused_calls(session_id)
+            run.refused_prompts = self.backend.refused_prompts(session_id)
+            self.backend.close_session(session_id)
+        return run
+
+    def _episode(self, task: Task, flow_name: str, result, run: SessionRun, traces: list[Trace]) -> Episode:
+        """The episode of one rollout: its result and traces, its termination reason, its error."""
+        reason, error = run.reason, run.error
+        try:
+            episode = build_episode(task, flow_name, result if reason is None else None, traces)
         except TypeError as exc:
             reason, error = TerminationReason.ERROR, str(exc)
-            episode = build_episode(task, flow.name, None, traces)
+            episode = build_episode(task, flow_name, None, traces)
         episode.termination_reason = reason or classify_termination(
-            episode, traces, self.limits, refused, refused_prompts
+            episode, traces, self.limits, run.refused, run.refused_prompts
         )
         episode.error = error
-        episode.metrics.update(num_model_calls=float(len(traces)), latency_s=time.perf_counter() - started)
-        if retryable:
-            episode.metrics["_retryable"] = 1.0
+        episode.metrics.update(
+            num_model_calls=float(len(traces)), latency_s=time.perf_counter() - run.started
+        )
         return episode
+
+
+@dataclass
+class SessionRun:
+    """What happened in one gateway session: the flow's result, or why it ended without one."""
+
+    started: float
+    result: Any = None
+    reason: TerminationReason | None = None
+    error: str | None = None
+    retryable: bool = False
+    traces: list[Trace] = field(default_factory=list)
+    refused: int = 0
+    refused_prompts: int = 0
+
+
+def _group_problem(results: Any, traces: list[Trace], n: int) -> str | None:
+    """Why a `run_group` call cannot be split into n episodes, or None."""
+    if not isinstance(results, list) or len(results) != n:
+        got = f"a list of {len(results)}" if isinstance(results, list) else type(results).__name__
+        return f"run_group returned {got}; expected a list of n={n} results, choice i's first"
+    if len(traces) != n:
+        return f"run_group made calls with {len(traces)} choices in all; expected one call with n={n} choices"
+    return None
 
 
 class FlowTimeoutError(Exception):
     """A TimeoutError raised inside the flow (a tool's own deadline): an `error`, not an `agent.timeout`."""
 
 
-async def _run_flow(flow: AgentFlow, task: Task, ctx: RolloutContext):
+async def _run_flow(body: Callable[[RolloutContext], Awaitable[Any]], ctx: RolloutContext) -> Any:
     # asyncio.TimeoutError is the builtin TimeoutError, so without this a flow's own timeout would be
     # taken for `agent.timeout` (and kept for training as a timeout instead of dropped as an error).
     try:
         # The flow's openai calls skip openai's walk of plain request bodies (client_transform.py).
         with fast_transform():
-            return await flow.run(task, ctx)
+            return await body(ctx)
     except asyncio.TimeoutError as exc:
         raise FlowTimeoutError(f"the flow raised {exc!r} before agent.timeout") from exc
 

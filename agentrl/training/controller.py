@@ -253,6 +253,8 @@ class Controller:
                 retry_limit=cfg.agent.retry_limit,
                 timeout=cfg.agent.timeout,
                 max_prompt_length=cfg.data.max_prompt_length,
+                group_calls=cfg.agent.group_calls,
+                max_n=arr.rollout.max_n_per_request,
             ),
         )
         self.n = arr.rollout.n

@@ -41,6 +41,13 @@ class MathSolverFlow(AgentFlow):
         )
         return reply.choices[0].message.content or ""
 
+    async def run_group(self, task: Task, ctx: RolloutContext, n: int) -> list[str]:
+        """`n` rollouts of `run` in one call with `n` choices (`agent.group_calls`)."""
+        reply = await ctx.client.chat.completions.create(
+            model=ctx.model, messages=build_messages(task, self.system_prompt, self.prompt_key), n=n
+        )
+        return [choice.message.content or "" for choice in sorted(reply.choices, key=lambda c: c.index)]
+
 
 class SelfCheckFlow(AgentFlow):
     """Two model calls: answer, then re-check once and answer again; the second answer is graded.

@@ -16,6 +16,7 @@ import torch
 
 from agentrl import AgentFlow, Episode, Step, Task, TerminationReason, Trajectory, agent_flow
 from agentrl.config import load_config
+from agentrl.flow import SingleTurnChatFlow
 from agentrl.models import load_tokenizer, resolve_model_path
 from agentrl.rollout.collector import CollectorLimits, RolloutCollector
 from agentrl.rollout.serving.embedded import start_embedded_serving
@@ -447,3 +448,69 @@ def test_a_flows_model_calls_stay_on_the_event_loop(stack):
 
     assert asyncio.run(counted(collect_four)) == 0
     assert asyncio.run(counted(plain_client_call)) >= 1
+
+
+def _request_ids(episodes: list[Episode]) -> list[str]:
+    return [s.info["request_id"] for e in episodes for t in e.trajectories for s in t.steps]
+
+
+def test_a_single_call_flow_samples_a_tasks_group_in_one_call_with_exact_tokens(stack):
+    """SingleTurnChatFlow defines run_group: a task's 4 rollouts are the 4 choices of one request, each its own
+    episode with its own tokens, and the engine's logprobs still equal a teacher-forced pass. With
+    group_calls=False the same flow makes 4 requests."""
+    tasks = [Task(id="a", data={"prompt": MESSAGES}), Task(id="b", data={"prompt": MESSAGES})]
+    episodes = collect(stack, SingleTurnChatFlow(), tasks, n=4)
+    assert [e.id for e in episodes] == [f"{t}:{i}" for t in "ab" for i in range(4)]
+    assert all(e.error is None and e.termination_reason is not TerminationReason.ERROR for e in episodes)
+    ids = _request_ids(episodes)
+    assert len(ids) == 8 and len(set(ids[:4])) == 1 and len(set(ids[4:])) == 1 and ids[0] != ids[4]
+    for episode in episodes:
+        [step] = episode.trajectories[0].steps
+        assert step.model_response == episode.answer and len(step.response_ids) > 0
+        assert episode.metrics["num_model_calls"] == 1.0
+    assert len({tuple(e.trajectories[0].steps[0].response_ids) for e in episodes}) > 2  # choices differ
+
+    rows, _ = episodes_to_rows(episodes)
+    batch = rows_to_batch(rows, pad_token_id=stack.tokenizer.pad_token_id)
+    with torch.no_grad():
+        recomputed, _ = compute_log_probs(stack.rollout.engine.model, batch)
+    mask = batch.response_mask
+    assert torch.allclose(recomputed[mask], batch.rollout_log_probs[mask], atol=1e-4)
+
+    one_by_one = collect(stack, SingleTurnChatFlow(), tasks[:1], n=4, group_calls=False)
+    assert len(set(_request_ids(one_by_one))) == 4
+
+
+def test_a_subclass_that_overrides_run_only_is_not_grouped(stack):
+    """An inherited run_group would skip the subclass's own run: the collector calls run n times instead."""
+    calls: list[str] = []
+
+    class Shouting(SingleTurnChatFlow):
+        async def run(self, task, ctx):
+            calls.append(task.id)
+            return (await super().run(task, ctx)).upper()
+
+    episodes = collect(stack, Shouting(), [Task(id="a", data={"prompt": MESSAGES})], n=3)
+    assert calls == ["a", "a", "a"]
+    assert len(set(_request_ids(episodes))) == 3
+    assert all(e.answer == e.answer.upper() for e in episodes)
+
+
+def test_a_group_that_cannot_be_split_fails_each_of_its_episodes_naming_why(stack):
+    """run_group returning the wrong number of results, or raising, costs the task's n episodes, not the run."""
+
+    class Short(SingleTurnChatFlow):
+        async def run_group(self, task, ctx, n):
+            return (await super().run_group(task, ctx, n))[:-1]
+
+    class Raising(SingleTurnChatFlow):
+        async def run_group(self, task, ctx, n):
+            raise RuntimeError("tool down")
+
+    tasks = [Task(id="a", data={"prompt": MESSAGES})]
+    short = collect(stack, Short(), tasks, n=3)
+    assert [e.termination_reason for e in short] == [TerminationReason.ERROR] * 3
+    assert all("run_group returned a list of 2; expected a list of n=3" in e.error for e in short)
+    raising = collect(stack, Raising(), tasks, n=3)
+    assert [e.id for e in raising] == ["a:0", "a:1", "a:2"]
+    assert all(e.termination_reason is TerminationReason.ERROR and "tool down" in e.error for e in raising)
