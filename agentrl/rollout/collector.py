@@ -99,7 +99,7 @@ class RolloutCollector:
     ) -> list[Episode]:
         """`n` rollouts of every task, at most `agent.n_parallel_tasks` at a time; never raises.
 
-        A flow with a usable `run_group` (`flow.group_runner`) samples each task's n rollouts in one call
+        A flow with a usable `run_group` (`agentrl.flow.group_runner`) samples each task's n rollouts in one call
         (`agent.group_calls`, n up to the gateway's `max_n`); a group takes n of the parallel slots."""
         run_group = group_runner(flow) if self.limits.group_calls and 1 < n <= self.limits.max_n else None
         slots = self.limits.n_parallel_tasks // n if run_group is not None else self.limits.n_parallel_tasks
