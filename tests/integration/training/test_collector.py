@@ -61,6 +61,16 @@ def collect(stack, flow, tasks, n=1, **limits) -> list[Episode]:
     return asyncio.run(_collect(stack, flow, tasks, n, **limits))
 
 
+def assert_engine_logprobs_equal_teacher_forcing(stack, episodes: list[Episode]) -> None:
+    """The rollout logprobs are the policy's own (temperature 1): a teacher-forced pass agrees."""
+    rows, _ = episodes_to_rows(episodes)
+    batch = rows_to_batch(rows, pad_token_id=stack.tokenizer.pad_token_id)
+    with torch.no_grad():
+        recomputed, _ = compute_log_probs(stack.rollout.engine.model, batch)
+    mask = batch.response_mask
+    assert torch.allclose(recomputed[mask], batch.rollout_log_probs[mask], atol=1e-4)
+
+
 @agent_flow
 async def _chat_once(task, ctx):
     reply = await ctx.client.chat.completions.create(model=ctx.model, messages=MESSAGES)
@@ -283,13 +293,7 @@ def test_steps_carry_the_gateway_token_ids_and_logprobs(stack):
             MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
         )
 
-    # The rollout logprobs are the policy's own (temperature 1): a teacher-forced pass agrees.
-    rows, _ = episodes_to_rows(episodes)
-    batch = rows_to_batch(rows, pad_token_id=stack.tokenizer.pad_token_id)
-    with torch.no_grad():
-        recomputed, _ = compute_log_probs(stack.rollout.engine.model, batch)
-    mask = batch.response_mask
-    assert torch.allclose(recomputed[mask], batch.rollout_log_probs[mask], atol=1e-4)
+    assert_engine_logprobs_equal_teacher_forcing(stack, episodes)
 
 
 def test_a_two_turn_token_flow_merges_into_one_row_with_mask_on_model_tokens(stack):
@@ -470,12 +474,7 @@ def test_a_single_call_flow_samples_a_tasks_group_in_one_call_with_exact_tokens(
         assert episode.metrics["num_model_calls"] == 1.0
     assert len({tuple(e.trajectories[0].steps[0].response_ids) for e in episodes}) > 2  # choices differ
 
-    rows, _ = episodes_to_rows(episodes)
-    batch = rows_to_batch(rows, pad_token_id=stack.tokenizer.pad_token_id)
-    with torch.no_grad():
-        recomputed, _ = compute_log_probs(stack.rollout.engine.model, batch)
-    mask = batch.response_mask
-    assert torch.allclose(recomputed[mask], batch.rollout_log_probs[mask], atol=1e-4)
+    assert_engine_logprobs_equal_teacher_forcing(stack, episodes)
 
     one_by_one = collect(stack, SingleTurnChatFlow(), tasks[:1], n=4, group_calls=False)
     assert len(set(_request_ids(one_by_one))) == 4
