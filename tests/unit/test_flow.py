@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from agentrl import AgentFlow, RolloutContext, Task, agent_flow
+from agentrl.flow import SingleTurnChatFlow, group_runner
 
 
 def _ctx() -> RolloutContext:
@@ -46,3 +47,29 @@ def test_agent_flow_subclass_must_implement_run():
 
     with pytest.raises(TypeError):
         Incomplete()
+
+
+def test_group_runner_is_the_flows_run_group_unless_run_is_overridden_below_it():
+    """A subclass that changes `run` only would have its `run` skipped by an inherited `run_group`."""
+
+    class OwnGroup(SingleTurnChatFlow):
+        async def run_group(self, task, ctx, n):
+            return ["x"] * n
+
+    class OwnRun(SingleTurnChatFlow):
+        async def run(self, task, ctx):
+            return "x"
+
+    class Both(OwnRun):
+        async def run_group(self, task, ctx, n):
+            return ["x"] * n
+
+    @agent_flow
+    async def plain(task, ctx):
+        return "x"
+
+    assert group_runner(SingleTurnChatFlow()).__func__ is SingleTurnChatFlow.run_group
+    assert group_runner(OwnGroup()).__func__ is OwnGroup.run_group
+    assert group_runner(Both()).__func__ is Both.run_group
+    assert group_runner(OwnRun()) is None
+    assert group_runner(plain) is None
