@@ -78,6 +78,22 @@ class PrefixCache:
                 del self._slots_by_hash[value]
         return True
 
+    def held(self, slot: int) -> int:
+        """Positions of `slot` that a match may read (0 for a slot not parked)."""
+        return len(self._parked.get(slot, ()))
+
+    def relabel(self, moved: dict[int, int]) -> None:
+        """Parked slot `old` now lies in `moved[old]` (the batch swapped slots to pack its running rows low);
+        its tokens, age and place in the eviction order go with it."""
+        if not any(slot in self._parked for slot in moved):
+            return
+        self._parked = OrderedDict((moved.get(s, s), tokens) for s, tokens in self._parked.items())
+        self._parked_at = {moved.get(s, s): at for s, at in self._parked_at.items()}
+        self._hashes = {moved.get(s, s): hashes for s, hashes in self._hashes.items()}
+        self._slots_by_hash = {
+            h: {moved.get(s, s) for s in slots} for h, slots in self._slots_by_hash.items()
+        }
+
     def evict(self, protected: set[int]) -> int | None:
         """Release the least recently used parked slot not in `protected`; None when there is none."""
         for slot in self._parked:

@@ -789,6 +789,7 @@ class EmbeddedEngine:
             "prefix_cache_hits": counters["prefix_hit_tokens"],
             "prefill_tokens": counters["prefill_tokens"],
             "prefill_forwards": counters["prefill_forwards"],
+            "rows_compacted": counters.get("compacted_rows", 0),
             "busy_prefill_forward_s": round(counters["prefill_s"], 4),
             **{
                 (f"busy_prefill_{key}" if key.endswith("_s") else f"prefill_{key}"): round(counters[key], 4)

@@ -359,6 +359,29 @@ def test_draws_on_the_device_one_step_ahead_equal_the_host_schedule(engine, prom
     assert after["decode_steps_device"] - first["decode_steps_device"] >= 40 + 20  # before and after it
 
 
+def test_a_long_answer_outliving_its_batch_moves_to_a_low_slot_and_draws_the_same(engine, model, prompts):
+    """The last row running in a high slot (the slowest answer of a step) is moved to the lowest free or parked
+    slot, so its decode steps compute 8 slots instead of 16; it draws the same seeded tokens as alone, and its
+    logprobs equal teacher forcing."""
+    long = SamplingParams(temperature=1.0, max_tokens=40, seed=5, ignore_eos=True)
+    short = SamplingParams(temperature=1.0, max_tokens=3, n=12, ignore_eos=True)
+
+    async def crowded():
+        first = asyncio.create_task(engine.generate(prompts[0], short))
+        while engine.stats()["tokens_generated"] < generated + 12:  # slots 0..12 hold the short rows
+            await asyncio.sleep(0.001)
+        return await asyncio.gather(first, engine.generate(prompts[1], long))  # the next free slot: 13
+
+    (alone,) = asyncio.run(engine.generate(prompts[1], long))
+    before, generated = engine.stats()["rows_compacted"], engine.stats()["tokens_generated"]
+    _, (out,) = asyncio.run(crowded())
+    assert engine.stats()["rows_compacted"] > before
+    assert out.token_ids == alone.token_ids
+    torch.testing.assert_close(out.logprobs, alone.logprobs, atol=1e-5, rtol=0)  # other batch shapes
+    reference = _teacher_forced_logprobs(model, prompts[1], out.token_ids)
+    assert (reference - torch.tensor(out.logprobs)).abs().max().item() < 1e-4
+
+
 def test_a_failed_step_costs_its_requests_not_the_engine(engine, prompts, monkeypatch):
     """A step that fails fails the running requests and the ones it was admitting (none waits forever), and the
     engine serves the next request."""

@@ -153,3 +153,41 @@ def test_the_engine_extends_next_turns_of_different_lengths_as_one_forward_of_ea
     for i in range(3):
         reference = _reference(model, histories[i] + turns[i])[-1]
         torch.testing.assert_close(logits[i], reference, atol=1e-5, rtol=0)
+
+
+def test_rows_left_in_high_slots_move_low_and_a_prefix_parked_low_moves_up_intact(model):
+    """When few rows remain in high slots (a GRPO step's slowest answers), the next decode step swaps them into
+    the lowest slots that run nothing, so it computes 8 rows instead of 24; the rows' logits stay those of a
+    plain forward, and the prefix parked in a low slot moves up with its keys and values: a prompt extending it
+    still finds it and computes only its new tokens, exactly."""
+    from agentrl.rollout.engines._slot_batch import SlotBatch
+
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 80, (n,)).tolist() for n in range(18, 38)]  # 20 rows, slots 0..19
+    fed = [[int(t) for t in torch.randint(0, 80, (2,))] for _ in prompts]
+    batch = SlotBatch(model, max_slots=32, max_model_len=128, cuda_graphs=False)
+    computed: list[int] = []
+
+    def recording(*args, **kwargs):
+        computed.append(args[3].shape[0])  # token_ids: one per computed row
+        return decode_step(*args, **kwargs)
+
+    batch._decode_step = recording
+    batch.admit(prompts, [1] * len(prompts), reserve=64)
+    assert batch._row_slots == list(range(20))
+    for step in range(2):
+        batch.decode([tokens[step] for tokens in fed])
+    sequences = [p + f for p, f in zip(prompts, fed, strict=True)]
+    # row 0 finishes and parks slot 0; rows 17 and 19 keep running; the rest are freed
+    batch.keep([17, 19], finished={0: sequences[0]})
+    logits = batch.decode([5, 6])
+    assert computed[-1] == 8 and sorted(batch._row_slots) == [0, 1]
+    assert batch.counters["compacted_rows"] == 2
+    for row, token, got in zip((17, 19), (5, 6), logits, strict=True):
+        torch.testing.assert_close(got, _reference(model, sequences[row] + [token])[-1], atol=1e-5, rtol=0)
+
+    hits = batch.counters["prefix_hit_tokens"]
+    turn = sequences[0] + [7, 8, 9]
+    first = batch.admit([turn], [1], reserve=64)
+    assert batch.counters["prefix_hit_tokens"] - hits == len(sequences[0])
+    torch.testing.assert_close(first[0], _reference(model, turn)[-1], atol=1e-5, rtol=0)
