@@ -184,8 +184,8 @@ class RolloutConfig(_Section):
     """Fraction of device memory vLLM may use."""
     enforce_eager: bool = False
     """Decode without CUDA graphs (the embedded engine captures one per batch bucket on CUDA)."""
-    compile_decode: bool = True
-    """torch.compile the embedded engine's decode step before capturing its CUDA graphs (fuses its small kernels; one decoder layer is compiled and reused for every layer, once, when the engine is built: ~15 s for a 24-layer model; falls back to the plain step if compilation fails)."""
+    compile_decode: bool | Literal["auto"] = "auto"
+    """torch.compile the embedded engine's decode step before capturing its CUDA graphs (fuses its small kernels; one decoder layer is compiled and reused for every layer, once, when the engine is built: 15-28 s; falls back to the plain step if compilation fails). `auto`: only for bfloat16/float16 weights, where it halves a step; a float32 step is bound by its matrix multiplies and decoded no faster compiled (docs/rollout.md)."""
     draw_on_device: bool = True
     """Embedded engine, slot path: draw plain rows' tokens on the device and launch each decode step before the previous step's tokens reach the host (false: read every step's tokens first)."""
     enable_prefix_caching: bool = True

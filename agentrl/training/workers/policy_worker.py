@@ -84,7 +84,9 @@ class PolicyWorker:
         )
         self.generator = torch.Generator().manual_seed(config.trainer.seed)
         self.rollout = None
-        if self.device.type == "cuda" and (arr.actor.use_torch_compile or arr.rollout.compile_decode):
+        from agentrl.rollout.serving.embedded import compiles_decode
+
+        if self.device.type == "cuda" and (arr.actor.use_torch_compile or compiles_decode(config)):
             # before anything compiles: Inductor's caches in this model's folder (kept across runs)
             use_compile_cache(self.actor.config, _DTYPES[arr.model.dtype], self.device)
 
