@@ -8,13 +8,15 @@ prompts and tokens:
 For each batch size it prefills `--prompt-len` tokens per row and times `--steps` decode steps (model only, no
 sampling). The roofline is the time to read the weights and the KV cache once at `--bandwidth` bytes/s.
 
-Part 2 (engine): `--sequences` completions of `--max-tokens` tokens (16 prompts x n, ignore_eos) through
+Part 2 (engine): `--sequences` completions of `--max-tokens` tokens (16 prompts x n, ignore_eos; with `--tail K`
+all but the last K stop at `--short-tokens`, the shape of a GRPO step whose slowest answers run alone) through
 `EmbeddedEngine.generate`, sampled at temperature 1: generated tokens / wall time, with and without graphs, and
 (compiled) with the tokens drawn on the device one step ahead (the default) against the host's schedule, where
 each step's tokens reach the host before the next step starts. `--engine-only` skips part 1.
 
     python benchmarks/decode_speed.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16 --device cuda
     python benchmarks/decode_speed.py --model tiny:qwen2 --device cpu --batches 1 8 32 --steps 16   # CPU smoke
+    python benchmarks/decode_speed.py --engine-only --sequences 256 --tail 1 --skip-compile      # a step's tail
 """
 
 from __future__ import annotations
@@ -72,9 +74,15 @@ def engine_throughput(
     )  # fmt: skip
     prompts = [[(13 * p + 7 * i) % 1000 + 10 for i in range(args.prompt_len)] for p in range(16)]
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=n, ignore_eos=True, seed=1)
+    calls = [(p, params) for p in prompts]
+    if args.tail:  # one request per sequence; the last `tail` run long, the rest stop at `short_tokens`
+        short = SamplingParams(temperature=1.0, max_tokens=args.short_tokens, ignore_eos=True, seed=1)
+        long = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=1)
+        count = 16 * n
+        calls = [(prompts[i % 16], short if i < count - args.tail else long) for i in range(count)]
 
     async def run() -> int:
-        outs = await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+        outs = await asyncio.gather(*[engine.generate(p, q) for p, q in calls])
         return sum(len(o.token_ids) for group in outs for o in group)
 
     try:
@@ -103,6 +111,12 @@ def main() -> None:
     parser.add_argument("--skip-dynamic", action="store_true")
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--engine-only", action="store_true", help="skip part 1 (decode step times)")
+    parser.add_argument(
+        "--tail", type=int, default=0,
+        help="engine part: one request per sequence, the last TAIL of them --max-tokens long, the rest "
+        "--short-tokens (a GRPO step's slowest answers, in the highest slots)",
+    )  # fmt: skip
+    parser.add_argument("--short-tokens", type=int, default=16)
     args = parser.parse_args()
     device = torch.device(args.device)
     model = load_causal_lm(args.model, dtype=args.dtype, device=args.device).eval()
