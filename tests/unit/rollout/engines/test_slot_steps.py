@@ -115,12 +115,11 @@ def test_weight_layout_changes_only_when_a_weight_moves():
     assert weight_layout(model) != before
 
 
-def test_an_eager_decode_step_computes_the_rows_in_use_rounded_up_to_eight(model):
-    """Without CUDA graphs a step computes up to the highest slot in use rounded up to 8, not a power of two
-    (33 rows computed 64, twice the work); the logits of the rows in use are the same either way."""
+def _counting_batch(model, max_slots: int):
+    """An eager `SlotBatch` and the list its decode steps append their computed row counts to."""
     from agentrl.rollout.engines._slot_batch import SlotBatch
 
-    batch = SlotBatch(model, max_slots=64, max_model_len=128, cuda_graphs=False)
+    batch = SlotBatch(model, max_slots=max_slots, max_model_len=128, cuda_graphs=False)
     computed: list[int] = []
 
     def recording(*args, **kwargs):
@@ -128,6 +127,13 @@ def test_an_eager_decode_step_computes_the_rows_in_use_rounded_up_to_eight(model
         return decode_step(*args, **kwargs)
 
     batch._decode_step = recording
+    return batch, computed
+
+
+def test_an_eager_decode_step_computes_the_rows_in_use_rounded_up_to_eight(model):
+    """Without CUDA graphs a step computes up to the highest slot in use rounded up to 8, not a power of two
+    (33 rows computed 64, twice the work); the logits of the rows in use are the same either way."""
+    batch, computed = _counting_batch(model, max_slots=64)
     prompts = [[5 + i % 7, 6, 7] for i in range(33)]
     batch.admit(prompts, [1] * 33, reserve=8)
     logits = batch.decode([11] * batch.size)
@@ -160,19 +166,10 @@ def test_rows_left_in_high_slots_move_low_and_a_prefix_parked_low_moves_up_intac
     the lowest slots that run nothing, so it computes 8 rows instead of 24; the rows' logits stay those of a
     plain forward, and the prefix parked in a low slot moves up with its keys and values: a prompt extending it
     still finds it and computes only its new tokens, exactly."""
-    from agentrl.rollout.engines._slot_batch import SlotBatch
-
     torch.manual_seed(3)
     prompts = [torch.randint(0, 80, (n,)).tolist() for n in range(18, 38)]  # 20 rows, slots 0..19
     fed = [[int(t) for t in torch.randint(0, 80, (2,))] for _ in prompts]
-    batch = SlotBatch(model, max_slots=32, max_model_len=128, cuda_graphs=False)
-    computed: list[int] = []
-
-    def recording(*args, **kwargs):
-        computed.append(args[3].shape[0])  # token_ids: one per computed row
-        return decode_step(*args, **kwargs)
-
-    batch._decode_step = recording
+    batch, computed = _counting_batch(model, max_slots=32)
     batch.admit(prompts, [1] * len(prompts), reserve=64)
     assert batch._row_slots == list(range(20))
     for step in range(2):
