@@ -113,6 +113,28 @@ def test_image_logprobs_equal_teacher_forced_forward(setup):
     assert greedy_text[0].token_ids[: len(ref)] == ref.tolist()[: len(greedy_text[0].token_ids)]
 
 
+def test_an_image_row_moved_to_a_low_slot_keeps_its_rotary_offset(setup):
+    """The last row running in a high slot moves to a low one (`SlotBatch.compact_rows`) with its multimodal
+    rotary offset: its logprobs still equal a teacher-forced forward with the pixels."""
+    model, tokenizer, engine = setup
+    prompt, images = _image_prompt(engine, tokenizer, _picture("green"))
+    text = render_chat(tokenizer, [{"role": "user", "content": "What is 2+3?"}])
+    short = SamplingParams(temperature=1.0, max_tokens=3, n=12, ignore_eos=True)
+    long = SamplingParams(temperature=1.0, max_tokens=30, seed=4, ignore_eos=True)
+
+    async def run():
+        crowd = asyncio.create_task(engine.generate(text, short))
+        while engine.stats()["tokens_generated"] < generated + 12:  # the 12 text rows run in the low slots
+            await asyncio.sleep(0.001)
+        return await asyncio.gather(crowd, engine.generate(prompt, long, images=images))
+
+    before, generated = engine.stats()["rows_compacted"], engine.stats()["tokens_generated"]
+    _, (out,) = asyncio.run(run())
+    assert engine.stats()["rows_compacted"] > before
+    expected = _teacher_forced(model, prompt, out.token_ids, images)
+    assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4), (out.logprobs, expected)
+
+
 def test_pixels_change_the_answer_and_pad_count_is_checked(setup):
     model, tokenizer, engine = setup
     red, images_red = _image_prompt(engine, tokenizer, _picture("red"))
