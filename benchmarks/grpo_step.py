@@ -273,21 +273,32 @@ def run_trainer_process(
 ) -> tuple[dict, str]:
     """Run `script argv --only name` in a fresh Python (so its peak memory and start-up are its own); returns the
     dict it printed on its `RESULT <json>` line and its whole stdout. With `show_log` its stderr (the trainer's
-    log) goes to this terminal as it runs. Exits, with the stderr's tail when captured, if it failed without a
-    result; one that failed after printing its result (its `error` set) is returned, its stderr's tail shown."""
+    log) and the rest of its stdout (the console's line per step) go to this terminal as it runs. Exits, with the
+    stderr's tail when captured, if it failed without a result; one that failed after printing its result (its
+    `error` set) is returned, its stderr's tail shown."""
     command = [sys.executable, script, *argv, "--only", name]
-    done = subprocess.run(
+    with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=None if show_log else subprocess.PIPE, text=True
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    log_tail = (done.stderr or "(its log is above)")[-4000:]
+    ) as child:
+        if show_log:
+            out = []
+            for line in child.stdout:
+                out.append(line)
+                if not line.startswith("RESULT "):
+                    print(line, end="", file=sys.stderr, flush=True)
+            stdout, stderr = "".join(out), None
+            child.wait()
+        else:
+            stdout, stderr = child.communicate()
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    log_tail = (stderr or "(its log is above)")[-4000:]
     if not lines:
-        sys.exit(f"{name} failed (exit {done.returncode}):\n{log_tail}")
-    if done.returncode != 0:
+        sys.exit(f"{name} failed (exit {child.returncode}):\n{log_tail}")
+    if child.returncode != 0:
         print(
-            f"{name} failed (exit {done.returncode}) after its measured steps:\n{log_tail}", file=sys.stderr
+            f"{name} failed (exit {child.returncode}) after its measured steps:\n{log_tail}", file=sys.stderr
         )
-    return json.loads(lines[-1][len("RESULT ") :]), done.stdout
+    return json.loads(lines[-1][len("RESULT ") :]), stdout
 
 
 def summarise(runs: list[dict]) -> dict:
