@@ -10,22 +10,62 @@ buckets, and the ms of one decode step (graph replay) per bucket; the plain step
 
     python benchmarks/decode_compile.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16
 
-CUDA only (compiled decoding runs under CUDA graphs).
+Mode `sized` is a candidate, not what the engine does: the same one-layer compile with only the rows and the cache
+length symbolic (every other size, hidden width, heads, head size, static), since with a warm cache most of the
+one-layer compile is Dynamo tracing symbolic shapes again. On CPU (`--device cpu`: no CUDA graphs, Inductor's C++
+backend; "graph capture" is then the first decodes) it shows what the trace costs:
+
+    python benchmarks/decode_compile.py --device cpu --model tiny:qwen2 --dtype float32 --modes layer sized \
+        --buckets 8 16 --prompt-len 64 --steps 5
+
+Compiled decoding runs under CUDA graphs in the engine, so only CUDA figures say what a run gains.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
-MODES = ("plain", "step", "layer")
+MODES = ("plain", "step", "layer", "sized")
+
+
+def rows_and_length_symbolic_step() -> Callable[..., torch.Tensor]:
+    """`compiled_decode_step`'s one-layer compile, symbolic only in the rows and the cache length (marked on each
+    call; any other size that changes becomes symbolic after one recompile, as torch.compile does by default)."""
+    from torch._dynamo import mark_dynamic
+
+    from agentrl.rollout.engines._slot_decode import DecodeRegions, decode_inputs, decode_step, slot_layer
+
+    inputs, layer = torch.compile(decode_inputs), torch.compile(slot_layer)
+
+    def marked_inputs(model, token_ids, positions, *rest):
+        mark_dynamic(token_ids, 0)
+        mark_dynamic(positions, 0)
+        return inputs(model, token_ids, positions, *rest)
+
+    def marked_layer(module, following, hidden, x, cos, sin, keys, values, positions, visible, head_dim):
+        for tensor in (hidden, x, cos, sin, positions, visible):
+            mark_dynamic(tensor, 0)
+        mark_dynamic(visible, 3)
+        mark_dynamic(keys, 2)
+        mark_dynamic(values, 2)
+        return layer(module, following, hidden, x, cos, sin, keys, values, positions, visible, head_dim)
+
+    return functools.partial(decode_step, regions=DecodeRegions(marked_inputs, marked_layer))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _one_process(args: argparse.Namespace) -> dict:
@@ -35,14 +75,19 @@ def _one_process(args: argparse.Namespace) -> dict:
     from agentrl.rollout.engines._slot_batch import SlotBatch, compiled_decode_step
     from agentrl.rollout.engines._slot_decode import decode_step
 
-    model = load_causal_lm(args.model, dtype=args.dtype, device="cuda").eval()
+    model = load_causal_lm(args.model, dtype=args.dtype, device=args.device).eval()
     batch = SlotBatch(
-        model, max_slots=max(args.buckets), max_model_len=args.prompt_len + 512, cuda_graphs=True
+        model,
+        max_slots=max(args.buckets),
+        max_model_len=args.prompt_len + 512,
+        cuda_graphs=args.device == "cuda",
     )
     if args.mode != "plain":
         use_compile_cache(model.config, next(model.parameters()).dtype, batch.device)
         if args.mode == "step":  # the engine's way before: the whole step as one graph
             batch._decode_step = torch.compile(decode_step.__wrapped__, dynamic=True)
+        elif args.mode == "sized":
+            batch._decode_step = rows_and_length_symbolic_step()
         else:
             batch._decode_step = compiled_decode_step()
     compile_s = batch.compile_now()
@@ -55,12 +100,12 @@ def _one_process(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         with torch.inference_mode():
             batch.decode([5] * rows)  # captures this bucket's graph
-            torch.cuda.synchronize()
+            _sync(batch.device)
             result["capture_s"] += time.perf_counter() - start
             start = time.perf_counter()
             for _ in range(args.steps):
                 batch.decode([5] * rows)
-            torch.cuda.synchronize()
+            _sync(batch.device)
         result["step_ms"][rows] = round(1000 * (time.perf_counter() - start) / args.steps, 3)
     result["capture_s"] = round(result["capture_s"], 2)
     return result
@@ -72,6 +117,7 @@ def main() -> None:
     )
     parser.add_argument("--model", default="tiny:qwen2.5-0.5b-shape")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--buckets", type=int, nargs="+", default=[8, 64, 128])
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)
@@ -94,6 +140,8 @@ def main() -> None:
                 args.model,
                 "--dtype",
                 args.dtype,
+                "--device",
+                args.device,
                 "--prompt-len",
                 str(args.prompt_len),
                 "--steps",
@@ -114,7 +162,8 @@ def main() -> None:
             rows.append(result)
             print(json.dumps(result), flush=True)
     buckets = args.buckets
-    print(f"\n{args.model} {args.dtype}, prompts of {args.prompt_len} tokens, {torch.cuda.get_device_name()}")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"\n{args.model} {args.dtype}, prompts of {args.prompt_len} tokens, {where}")
     print(
         "| decode step | cache | compile s | graph capture s | process s | "
         + " | ".join(f"ms/step at {b} rows" for b in buckets)
