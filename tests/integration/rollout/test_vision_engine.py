@@ -115,8 +115,17 @@ def test_image_logprobs_equal_teacher_forced_forward(setup):
 
 def test_an_image_row_moved_to_a_low_slot_keeps_its_rotary_offset(setup):
     """The last row running in a high slot moves to a low one (`SlotBatch.compact_rows`) with its multimodal
-    rotary offset: its logprobs still equal a teacher-forced forward with the pixels."""
-    model, tokenizer, engine = setup
+    rotary offset: its logprobs still equal a teacher-forced forward with the pixels. A fresh engine, so the
+    slots are known: the 12 text rows take 0..11, the image row 12."""
+    model, tokenizer, _ = setup
+    engine = EmbeddedEngine(model, tokenizer, max_num_seqs=16, max_model_len=256)
+    try:
+        _assert_a_moved_image_row_equals_teacher_forcing(model, tokenizer, engine)
+    finally:
+        engine.close()
+
+
+def _assert_a_moved_image_row_equals_teacher_forcing(model, tokenizer, engine):
     prompt, images = _image_prompt(engine, tokenizer, _picture("green"))
     text = render_chat(tokenizer, [{"role": "user", "content": "What is 2+3?"}])
     short = SamplingParams(temperature=1.0, max_tokens=3, n=12, ignore_eos=True)
