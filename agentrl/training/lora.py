@@ -19,8 +19,17 @@ from agentrl.training.lora_fused import fuse_lora_layers, is_fused
 _LANGUAGE_MODEL_LINEAR = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
-def apply_lora(model: torch.nn.Module, *, rank: int, alpha: int, target_modules: str | list[str]):
+def apply_lora(
+    model: torch.nn.Module,
+    *,
+    rank: int,
+    alpha: int,
+    target_modules: str | list[str],
+    keep_merged: bool = True,
+):
     """A peft model with fresh adapters of `rank` on `target_modules` ('all-linear' or module names).
+    `keep_merged`: merged adapted layers keep their merged weight between calls (`lora_fused.py`); False for a
+    model FSDP will shard.
 
     For a vision-language model `all-linear` means the language model's linear layers: the vision tower
     keeps its weights (and is frozen, as every non-adapter weight is under LoRA).
@@ -39,7 +48,7 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: int, target_modules:
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, config)
-    fuse_lora_layers(model)
+    fuse_lora_layers(model, keep_merged=keep_merged)
     return model
 
 

@@ -20,12 +20,22 @@ cheaper at some widths (T tokens, `in` and `out` the layer's widths, r the rank)
 and 7B shapes thin for the MLP and the square projections, merged for the narrow key and value projections.
 Like full fine-tuning's bf16 compute from float32 weights, the merged forward sees an adapter change once it
 moves W' by half a bf16 step; gradients reach A and B exactly.
-Only vanilla LoRA with one active adapter and no dropout takes this path; anything else (disabled or merged
-adapters, dropout, DoRA, several adapters) runs peft's own forward.
+A layer of a model that is not sharded *keeps* its merged weight (`fuse_lora_layers(keep_merged=True)`): W' is
+formed once per change of W, A or B (an optimizer step, their version counters), in float32 and rounded once to the compute dtype,
+the formula of the weights the engine serves, so the sync sends that very tensor (`kept_merged_weight`) and the
+trainer's forward runs on exactly the weights the engine sampled from. The forward is then full fine-tuning's
+`F.linear` on a leaf W' (autograd's C++ backward forms dW' = dy^T x), and a hook on W' turns each dW' into the
+adapters' gradients. Per optimizer step that is one merge per layer instead of one in every forward, recompute
+and backward of every micro-batch, and no Python autograd function. A sharded model forms W' in each call
+(`_MergedLoRALinear`): FSDP gathers A and B only inside the layer's forward and backward.
+Only vanilla LoRA with one active adapter and no dropout takes this path; anything else (merged adapters,
+dropout, DoRA, several adapters) runs peft's own forward, and disabled adapters (the reference policy) the base
+layer alone.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
@@ -139,25 +149,104 @@ def _fusable(layer: Any) -> str | None:
     return name
 
 
+def merged_weight(weight, lora_a, lora_b, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+    """W + s B A computed in float32 and rounded once to `dtype` (what the engine serves)."""
+    return torch.addmm(weight.float(), lora_b.float(), lora_a.float(), alpha=scaling).to(dtype)
+
+
+def _adapter_gradients(layer: Any, name: str, merged: torch.Tensor) -> None:
+    """W'.grad -> the adapters' gradients (dA = (s B)^T dW', dB = s dW' A^T, in dW''s dtype), added to theirs;
+    W'.grad is dropped. Runs each time autograd has accumulated into W' (once per backward)."""
+    grad, merged.grad = merged.grad, None
+    lora_a, lora_b, scaling = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name]
+    updates = []
+    if lora_a.requires_grad:
+        updates.append((lora_a, (lora_b * scaling).to(grad.dtype).t() @ grad))
+    if lora_b.requires_grad:
+        updates.append((lora_b, (grad @ lora_a.to(grad.dtype).t()).mul_(scaling)))
+    for param, update in updates:
+        if param.grad is None:
+            param.grad = update.to(param.dtype)
+        else:
+            param.grad.add_(update)
+
+
+_optimizer_steps = [0]
+"""Optimizer steps taken in this process: a fused optimizer writes parameters without bumping their version."""
+
+
+@functools.cache
+def _count_optimizer_steps() -> None:
+    def counted(_optimizer, _args, _kwargs) -> None:
+        _optimizer_steps[0] += 1
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(counted)
+
+
+def _kept(layer: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's merged weight in `dtype`, formed again only after W, A or B may have changed: an optimizer
+    step anywhere in the process, or an in-place write or new storage (their version counters, data pointers)."""
+    weight, lora_a, lora_b = layer.base_layer.weight, layer.lora_A[name].weight, layer.lora_B[name].weight
+    scaling = layer.scaling[name]
+    versions = ((t.data_ptr(), t._version) for t in (weight, lora_a, lora_b))
+    key = (name, dtype, scaling, _optimizer_steps[0], *versions)
+    kept = layer.__dict__.get("_merged_weight")
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    layer.__dict__["_merged_weight"] = None  # the old one is freed before the new one is formed
+    with torch.inference_mode(False), torch.no_grad():  # never an inference tensor: training reuses it
+        merged = merged_weight(weight, lora_a, lora_b, scaling, dtype)
+    merged.requires_grad_(lora_a.requires_grad or lora_b.requires_grad)
+    if merged.requires_grad:
+        merged.register_post_accumulate_grad_hook(functools.partial(_adapter_gradients, layer, name))
+    layer.__dict__["_merged_weight"] = (key, merged)
+    return merged
+
+
+def kept_merged_weight(layer: Any, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """The merged weight this fused layer keeps, current, when it keeps one in `dtype` (None: the base
+    weight's); else None (thin layers, sharded models, layers on peft's forward)."""
+    name = _fusable(layer)
+    weight = layer.base_layer.weight
+    dtype = dtype or weight.dtype
+    if name is None or not layer.__dict__.get("_keeps_merged") or weight.requires_grad:
+        return None
+    if not merged_is_cheaper(weight.shape[1], weight.shape[0]) or dtype != weight.dtype:
+        return None
+    return _kept(layer, name, dtype).detach()
+
+
 def _fused_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    name = None if args or kwargs else _fusable(self)
+    if args or kwargs:
+        return type(self).forward(self, x, *args, **kwargs)
+    if self.disable_adapters and not self.merged:
+        return self.base_layer(x)  # the reference policy: the base layer alone, without peft's checks
+    name = _fusable(self)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
     base = self.base_layer
-    return lora_linear(
-        x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
-    )
+    lora_a, lora_b, scaling = self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
+    merged = merged_is_cheaper(base.weight.shape[1], base.weight.shape[0])
+    if merged and self.__dict__.get("_keeps_merged") and not base.weight.requires_grad:
+        return F.linear(x, _kept(self, name, x.dtype), base.bias)
+    return lora_linear(x, base.weight, base.bias, lora_a, lora_b, scaling, merged=merged)
 
 
-def fuse_lora_layers(model: torch.nn.Module) -> int:
+def fuse_lora_layers(model: torch.nn.Module, *, keep_merged: bool = True) -> int:
     """Give every peft LoRA linear layer of `model` the fused forward (it falls back to peft's own whenever
-    the layer is not plain LoRA at that call); returns how many layers it covers."""
+    the layer is not plain LoRA at that call); returns how many layers it covers. `keep_merged`: merged layers
+    keep W' between calls (module docstring); False for a model FSDP will shard."""
     from peft.tuners.lora import Linear as LoRALinear
 
+    _count_optimizer_steps()
     count = 0
     for module in model.modules():
         if type(module) is LoRALinear:
             module.forward = types.MethodType(_fused_forward, module)
+            module.__dict__["_keeps_merged"] = keep_merged
+            module.__dict__.pop("_merged_weight", None)
             count += 1
     return count
 

@@ -2,7 +2,7 @@
 
 Names are those of the plain transformers model, so an engine loads them like any checkpoint. For a LoRA
 model each adapted weight is merged out of place, W + scale * B @ A computed in float32 and rounded once to
-the served dtype: peft keeps adapters in float32 over a bf16 base, and an in-place merge/unmerge round trip
+the served dtype (a fused layer that keeps its merged weight for training hands over that very tensor): peft keeps adapters in float32 over a bf16 base, and an in-place merge/unmerge round trip
 would leave rounding in the frozen base (the reference policy). Under FSDP2 every tensor is gathered from
 its shards as it is reached, so no rank ever holds the whole state dict at once.
 """
@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from agentrl.training.lora import is_lora_model
+from agentrl.training.lora_fused import kept_merged_weight
 from agentrl.training.parallel.fsdp import full_tensor
 
 
@@ -59,7 +60,8 @@ def iter_served_weights(
         own_dtype = tensor.dtype
         prefix, _, leaf = key.rpartition(".base_layer.")
         if prefix in layers and leaf == "weight":
-            tensor = _merged_weight(layers[prefix], tensor)
+            kept = kept_merged_weight(layers[prefix], dtype)
+            tensor = kept if kept is not None else _merged_weight(layers[prefix], tensor)
         yield key.replace(".base_layer.", "."), tensor.to(dtype or own_dtype)
 
 

@@ -118,6 +118,7 @@ class PolicyWorker:
                 rank=arr.model.lora_rank,
                 alpha=arr.model.lora_alpha,
                 target_modules=arr.model.target_modules,
+                keep_merged=not self.sharded,
             )
         if not trainable:
             model.eval().requires_grad_(False)

@@ -8,7 +8,15 @@ import torch
 from agentrl.models import load_causal_lm
 from agentrl.training import lora_fused
 from agentrl.training.lora import adapters_disabled, apply_lora, low_precision_base_dtype
-from agentrl.training.lora_fused import is_fused, lora_linear, merged_is_cheaper
+from agentrl.training.lora_fused import (
+    fuse_lora_layers,
+    is_fused,
+    kept_merged_weight,
+    lora_linear,
+    merged_is_cheaper,
+    merged_weight,
+)
+from agentrl.training.parallel.served_weights import served_state_dict
 
 _LANGUAGE_PROJECTIONS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
@@ -27,9 +35,13 @@ def test_all_linear_on_a_vision_language_model_adapts_only_the_language_model(sp
     assert trainable and all("lora_" in n for n in trainable)
 
 
-def _lora_model(dtype: str = "float32"):
+def _lora_model(dtype: str = "float32", keep_merged: bool = True):
     model = apply_lora(
-        load_causal_lm("tiny:qwen2", dtype=dtype), rank=4, alpha=8, target_modules="all-linear"
+        load_causal_lm("tiny:qwen2", dtype=dtype),
+        rank=4,
+        alpha=8,
+        target_modules="all-linear",
+        keep_merged=keep_merged,
     )
     for name, param in model.named_parameters():  # nonzero B, so the adapters change the output
         if "lora_B" in name:
@@ -85,11 +97,16 @@ def test_merged_is_picked_where_the_thin_passes_cost_more_than_the_weight_gradie
     assert merged_is_cheaper(2048, 256) and merged_is_cheaper(3584, 512)
 
 
-@pytest.mark.parametrize("flops_per_byte", [0, 10**9], ids=["thin", "merged"])
-def test_fused_layers_give_peft_logits_and_gradients(flops_per_byte, monkeypatch):
+@pytest.mark.parametrize(
+    "flops_per_byte, keep_merged",
+    [(0, True), (10**9, True), (10**9, False)],
+    ids=["thin", "merged-kept", "merged-per-call"],
+)
+def test_fused_layers_give_peft_logits_and_gradients(flops_per_byte, keep_merged, monkeypatch):
     monkeypatch.setattr(lora_fused, "FLOPS_PER_BYTE", flops_per_byte)  # every layer one way
     model = _lora_model()
     assert sum(is_fused(m) for m in model.modules()) == 7 * model.config.num_hidden_layers
+    fuse_lora_layers(model, keep_merged=keep_merged)
     fused_logits, fused_grads = _logits_and_grads(model, IDS)
     peft_logits, peft_grads = _logits_and_grads(_with_peft_forward(model), IDS)
     assert torch.allclose(fused_logits, peft_logits, atol=1e-5)
@@ -144,3 +161,70 @@ def test_layers_on_peft_forward_compute_in_the_base_dtype_under_adapters_in_base
         _, grads = _logits_and_grads(model, IDS)
     assert set(seen) == {torch.bfloat16} and len(seen) == 7 * model.config.num_hidden_layers
     assert grads and all(g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads.values())
+
+
+def _first_adapted(model):
+    return next(m for m in model.modules() if is_fused(m))
+
+
+@pytest.mark.parametrize("fused_optimizer", [False, True], ids=["foreach", "fused"])
+def test_a_kept_merged_weight_is_formed_again_after_each_optimizer_step(fused_optimizer):
+    """The forward reuses W' until the adapters change; after an optimizer step (a fused one writes without
+    bumping the parameters' versions) the next forward forms it from the new adapters, and logits and
+    gradients still equal peft's."""
+    model = _lora_model()
+    layer = _first_adapted(model)
+    _logits_and_grads(model, IDS)
+    before = kept_merged_weight(layer)
+    model(input_ids=IDS)  # a second forward: the same tensor, not formed again
+    assert kept_merged_weight(layer).data_ptr() == before.data_ptr()
+    before = before.clone()
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=0.05, fused=fused_optimizer
+    )
+    optimizer.step()
+    logits, grads = _logits_and_grads(model, IDS)
+    name = layer.active_adapters[0]
+    expected = merged_weight(
+        layer.base_layer.weight, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name],
+        torch.float32,
+    )  # fmt: skip
+    assert torch.equal(kept_merged_weight(layer), expected) and not torch.equal(before, expected)
+    peft_logits, peft_grads = _logits_and_grads(_with_peft_forward(model), IDS)
+    assert torch.allclose(logits, peft_logits, atol=1e-5)
+    for key, grad in grads.items():
+        assert torch.allclose(grad, peft_grads[key], atol=1e-5, rtol=1e-4), key
+
+
+def test_kept_merged_weights_are_the_served_weights_and_match_the_per_call_merge():
+    """What the engine is sent for an adapted layer is the tensor the trainer's forward used, and bit for bit
+    what the merge without kept weights serves (bf16 base, float32 adapters)."""
+    model = _lora_model("bfloat16")
+    _logits_and_grads(model, IDS)
+    served = served_state_dict(model)
+    layer = next(
+        m for n, m in model.named_modules() if is_fused(m) and n.endswith("layers.0.self_attn.q_proj")
+    )
+    assert served["model.layers.0.self_attn.q_proj.weight"].data_ptr() == kept_merged_weight(layer).data_ptr()
+    twin = copy.deepcopy(model)
+    fuse_lora_layers(twin, keep_merged=False)
+    assert kept_merged_weight(_first_adapted(twin)) is None
+    per_call = served_state_dict(twin)
+    assert served.keys() == per_call.keys()
+    assert all(torch.equal(served[k], per_call[k]) for k in served)
+
+
+def test_kept_merged_weights_under_inference_mode_and_gradient_checkpointing():
+    """W' first formed inside inference mode (an evaluation) still trains; with activation checkpointing the
+    recomputed forward reuses it and the gradients equal peft's."""
+    model = _lora_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    with torch.inference_mode():
+        model(input_ids=IDS)
+    logits, grads = _logits_and_grads(model, IDS)
+    peft_logits, peft_grads = _logits_and_grads(_with_peft_forward(model), IDS)
+    assert torch.allclose(logits, peft_logits, atol=1e-5)
+    assert grads.keys() == peft_grads.keys() and grads
+    for key, grad in grads.items():
+        assert torch.allclose(grad, peft_grads[key], atol=1e-5, rtol=1e-4), key
