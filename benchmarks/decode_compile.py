@@ -1,21 +1,21 @@
-"""What compiling the engine's decode step costs at start and buys per step: the whole step against one layer.
+"""What compiling the engine's decode step costs at start and buys per step: the whole step, one layer with every
+size symbolic, and the engine's one layer symbolic only in the rows and the cache length.
 
 The engine compiles its decode step (`actor_rollout_ref.rollout.compile_decode`) before the first rollout. Traced
-as one graph, a 24-layer model took ~45-60 s on every start, even with Inductor's cache holding every kernel
-(Dynamo traces the whole step again in each process). The engine now compiles one decoder layer and runs it for
-every layer (`compiled_decode_step`). This runs each way in a fresh process, twice over the same cache folder
-(cold: empty; warm: the folder the first process filled, as a second run of the same command finds it), and
-prints the seconds to compile, the seconds the first decodes spend capturing CUDA graphs for three batch
+as one graph (`step`), a 24-layer model took ~45-60 s on every start, even with Inductor's cache holding every
+kernel. One decoder layer traced and run for every layer with every size symbolic (`all-dynamic`) took 13-19 s,
+most of it Dynamo's symbolic reasoning, which no cache keeps. The engine's way (`layer`, `compiled_decode_step`)
+keeps widths, heads and head size static. This runs each way in a fresh process, twice over the same cache
+folder (cold: empty; warm: the folder the first process filled, as a second run of the same command finds it),
+and prints the seconds to compile, the seconds the first decodes spend capturing CUDA graphs for three batch
 buckets, and the ms of one decode step (graph replay) per bucket; the plain step (nothing compiled) for scale.
 
-    python benchmarks/decode_compile.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16
+    python benchmarks/decode_compile.py --model tiny:qwen2.5-0.5b-shape --dtype bfloat16 --modes plain all-dynamic layer
 
-Mode `sized` is a candidate, not what the engine does: the same one-layer compile with only the rows and the cache
-length symbolic (every other size, hidden width, heads, head size, static), since with a warm cache most of the
-one-layer compile is Dynamo tracing symbolic shapes again. On CPU (`--device cpu`: no CUDA graphs, Inductor's C++
-backend; "graph capture" is then the first decodes) it shows what the trace costs:
+On CPU (`--device cpu`: no CUDA graphs, Inductor's C++ backend; "graph capture" is then the first decodes) it
+shows what the trace costs:
 
-    python benchmarks/decode_compile.py --device cpu --model tiny:qwen2 --dtype float32 --modes layer sized \
+    python benchmarks/decode_compile.py --device cpu --model tiny:qwen2 --dtype float32 --modes all-dynamic layer \
         --buckets 8 16 --prompt-len 64 --steps 5
 
 Compiled decoding runs under CUDA graphs in the engine, so only CUDA figures say what a run gains.
@@ -31,36 +31,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
 import torch
 
-MODES = ("plain", "step", "layer", "sized")
-
-
-def rows_and_length_symbolic_step() -> Callable[..., torch.Tensor]:
-    """`compiled_decode_step`'s one-layer compile, symbolic only in the rows and the cache length (marked on each
-    call; any other size that changes becomes symbolic after one recompile, as torch.compile does by default)."""
-    from torch._dynamo import mark_dynamic
-
-    from agentrl.rollout.engines._slot_decode import DecodeRegions, decode_inputs, decode_step, slot_layer
-
-    inputs, layer = torch.compile(decode_inputs), torch.compile(slot_layer)
-
-    def marked_inputs(model, token_ids, positions, *rest):
-        mark_dynamic(token_ids, 0)
-        mark_dynamic(positions, 0)
-        return inputs(model, token_ids, positions, *rest)
-
-    def marked_layer(module, following, hidden, x, cos, sin, keys, values, positions, visible, head_dim):
-        for tensor in (hidden, x, cos, sin, positions, visible):
-            mark_dynamic(tensor, 0)
-        mark_dynamic(visible, 3)
-        mark_dynamic(keys, 2)
-        mark_dynamic(values, 2)
-        return layer(module, following, hidden, x, cos, sin, keys, values, positions, visible, head_dim)
-
-    return functools.partial(decode_step, regions=DecodeRegions(marked_inputs, marked_layer))
+MODES = ("plain", "step", "all-dynamic", "layer")
 
 
 def _sync(device: torch.device) -> None:
@@ -73,7 +47,7 @@ def _one_process(args: argparse.Namespace) -> dict:
     from agentrl.models import load_causal_lm
     from agentrl.models.compile_cache import use_compile_cache
     from agentrl.rollout.engines._slot_batch import SlotBatch, compiled_decode_step
-    from agentrl.rollout.engines._slot_decode import decode_step
+    from agentrl.rollout.engines._slot_decode import DecodeRegions, decode_inputs, decode_step, slot_layer
 
     model = load_causal_lm(args.model, dtype=args.dtype, device=args.device).eval()
     batch = SlotBatch(
@@ -84,10 +58,13 @@ def _one_process(args: argparse.Namespace) -> dict:
     )
     if args.mode != "plain":
         use_compile_cache(model.config, next(model.parameters()).dtype, batch.device)
-        if args.mode == "step":  # the engine's way before: the whole step as one graph
+        if args.mode == "step":  # the engine's first way: the whole step as one graph
             batch._decode_step = torch.compile(decode_step.__wrapped__, dynamic=True)
-        elif args.mode == "sized":
-            batch._decode_step = rows_and_length_symbolic_step()
+        elif args.mode == "all-dynamic":  # the engine's second way: one layer, every size symbolic
+            regions = DecodeRegions(
+                torch.compile(decode_inputs, dynamic=True), torch.compile(slot_layer, dynamic=True)
+            )
+            batch._decode_step = functools.partial(decode_step, regions=regions)
         else:
             batch._decode_step = compiled_decode_step()
     compile_s = batch.compile_now()

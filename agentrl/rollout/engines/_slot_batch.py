@@ -118,14 +118,39 @@ _COMPILED: dict[Any, Callable[..., torch.Tensor]] = {}
 
 def compiled_decode_step(backend: Any = "inductor") -> Callable[..., torch.Tensor]:
     """`decode_step` with its inputs and each decoder layer run through torch.compile, once per process and
-    backend, symbolic in the batch and cache sizes (no recompile per bucket). One layer is traced and its graph
-    serves every layer (same code; the weights are graph inputs): the whole step traced as one graph took 33-81
-    s at every start of a 24-layer model, Inductor's cache warm or not (`benchmarks/decode_compile.py`)."""
+    backend. One layer is traced and its graph serves every layer (same code; the weights are graph inputs): the
+    whole step traced as one graph took 33-81 s at every start of a 24-layer model. Only the rows and the cache
+    length are symbolic (marked on every call); widths, heads and head size stay static. With every size
+    symbolic, Dynamo's symbolic reasoning was most of the compile and no cache keeps it: on an H200 the compile
+    took 13.4 s with Inductor's cache warm and 19.1 s cold, against 2.6 and 9.7 s this way, decode steps no
+    slower (`benchmarks/decode_compile.py`); a GRPO run's first step came 18.9 s after the start of a warm step
+    instead of 38.6 s. The cache length reaches the inputs as an int, which compiles once more when it first
+    changes (`SlotBatch.compile_now` does that before any request). The marks are `maybe_mark_dynamic`: a size
+    the code turns into a constant costs a compile per value instead of failing the compile (a hard mark did,
+    and the engine fell back to the plain step)."""
     if backend not in _COMPILED:
-        regions = DecodeRegions(
-            torch.compile(decode_inputs, dynamic=True, backend=backend),
-            torch.compile(slot_layer, dynamic=True, backend=backend),
-        )
+        from torch._dynamo import maybe_mark_dynamic
+
+        inputs = torch.compile(decode_inputs, backend=backend)
+        layer = torch.compile(slot_layer, backend=backend)
+
+        def rows_marked_inputs(model, token_ids, positions, rope_offsets, length):
+            for tensor in (token_ids, positions, rope_offsets):
+                if tensor is not None:
+                    maybe_mark_dynamic(tensor, 0)
+            return inputs(model, token_ids, positions, rope_offsets, length)
+
+        def rows_and_length_marked_layer(
+            module, following, hidden, x, cos, sin, keys, values, positions, visible, *rest
+        ):
+            for tensor in (hidden, x, cos, sin, positions, visible):
+                maybe_mark_dynamic(tensor, 0)
+            maybe_mark_dynamic(visible, 3)  # the cache positions read
+            maybe_mark_dynamic(keys, 2)
+            maybe_mark_dynamic(values, 2)
+            return layer(module, following, hidden, x, cos, sin, keys, values, positions, visible, *rest)
+
+        regions = DecodeRegions(rows_marked_inputs, rows_and_length_marked_layer)
         _COMPILED[backend] = functools.partial(decode_step, regions=regions)
     return _COMPILED[backend]
 
@@ -914,9 +939,10 @@ class SlotBatch:
             return 0.0
         start = time.perf_counter()
         had_cache = self.length > 0
-        self._ensure_length(MIN_LENGTH)
-        with torch.inference_mode():  # as `decode` and `decode_sampled` run it
-            self._warm_up(MIN_BUCKET)
+        for length in (MIN_LENGTH, 2 * MIN_LENGTH):  # the second compiles the cache length symbolic
+            self._ensure_length(min(length, self.max_model_len))
+            with torch.inference_mode():  # as `decode` and `decode_sampled` run it
+                self._warm_up(MIN_BUCKET)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if not had_cache:

@@ -197,13 +197,12 @@ def decode_inputs(
     """What every layer of `decode_step` reads: the embedded tokens (b, 1, H), them through the first layer's
     input norm, the rotary cos and sin (b, 1, 1, D) and the attention mask over `length` cache positions."""
     inner = text_model(model)
-    batch = token_ids.shape[0]
     hidden = inner.embed_tokens(token_ids.unsqueeze(1))
     rope = positions if rope_offsets is None else positions + rope_offsets
     cos, sin = _rotary(model, hidden, rope.unsqueeze(1))  # (b, 1, D)
-    visible = (torch.arange(length, device=token_ids.device).unsqueeze(0) <= positions.unsqueeze(1)).view(
-        batch, 1, 1, length
-    )
+    # No size read into a Python int: compiled, the code after the rotary call's graph break would hold the
+    # rows as a constant and compile again for every batch bucket.
+    visible = (torch.arange(length, device=token_ids.device) <= positions[:, None])[:, None, None, :]
     x = inner.layers[0].input_layernorm(hidden)
     return hidden, x, cos.unsqueeze(1), sin.unsqueeze(1), _attention_mask(visible, hidden.dtype)
 
