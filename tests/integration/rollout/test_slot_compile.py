@@ -1,5 +1,6 @@
 """`SlotBatch.compile_now` and the layer-wise compiled decode step: one decoder layer is traced, before the first
-request, with inputs like the ones decoding passes, and that one graph serves every layer and every later decode
+request, with inputs like the ones decoding passes (the rows and the cache length marked symbolic, at two cache
+lengths), and that one graph serves every layer and every later decode
 (a whole-step trace took ~45 s at every start of a 24-layer model; a second compile inside the first rollout
 cost ~60-80 s more on an H100 host)."""
 
