@@ -21,9 +21,9 @@ and 7B shapes thin for the MLP and the square projections, merged for the narrow
 Like full fine-tuning's bf16 compute from float32 weights, the merged forward sees an adapter change once it
 moves W' by half a bf16 step; gradients reach A and B exactly.
 A layer of a model that is not sharded *keeps* its merged weight (`fuse_lora_layers(keep_merged=True)`): W' is
-formed once per change of W, A or B (an optimizer step, their version counters), in float32 and rounded once to the compute dtype,
-the formula of the weights the engine serves, so the sync sends that very tensor (`kept_merged_weight`) and the
-trainer's forward runs on exactly the weights the engine sampled from. The forward is then full fine-tuning's
+formed once per change of W, A or B (an optimizer step, their version counters), in float32 and rounded once to
+the compute dtype, the formula of the weights the engine serves, so the sync sends that very tensor
+(`kept_merged_weight`) and the trainer's forward runs on exactly the weights the engine sampled from. The forward is then full fine-tuning's
 `F.linear` on a leaf W' (autograd's C++ backward forms dW' = dy^T x), and a hook on W' turns each dW' into the
 adapters' gradients. Per optimizer step that is one merge per layer instead of one in every forward, recompute
 and backward of every micro-batch, and no Python autograd function. A sharded model forms W' in each call
@@ -205,15 +205,22 @@ def _kept(layer: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
     return merged
 
 
+def _keeps_merged(layer: Any) -> bool:
+    """Whether this fused layer runs merged and keeps W' (not sharded, frozen base)."""
+    weight = layer.base_layer.weight
+    return (
+        layer.__dict__.get("_keeps_merged", False)
+        and not weight.requires_grad
+        and merged_is_cheaper(weight.shape[1], weight.shape[0])
+    )
+
+
 def kept_merged_weight(layer: Any, dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """The merged weight this fused layer keeps, current, when it keeps one in `dtype` (None: the base
     weight's); else None (thin layers, sharded models, layers on peft's forward)."""
     name = _fusable(layer)
-    weight = layer.base_layer.weight
-    dtype = dtype or weight.dtype
-    if name is None or not layer.__dict__.get("_keeps_merged") or weight.requires_grad:
-        return None
-    if not merged_is_cheaper(weight.shape[1], weight.shape[0]) or dtype != weight.dtype:
+    dtype = dtype or layer.base_layer.weight.dtype
+    if name is None or dtype != layer.base_layer.weight.dtype or not _keeps_merged(layer):
         return None
     return _kept(layer, name, dtype).detach()
 
@@ -227,11 +234,10 @@ def _fused_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
     base = self.base_layer
-    lora_a, lora_b, scaling = self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
-    merged = merged_is_cheaper(base.weight.shape[1], base.weight.shape[0])
-    if merged and self.__dict__.get("_keeps_merged") and not base.weight.requires_grad:
+    if _keeps_merged(self):
         return F.linear(x, _kept(self, name, x.dtype), base.bias)
-    return lora_linear(x, base.weight, base.bias, lora_a, lora_b, scaling, merged=merged)
+    lora_a, lora_b, scaling = self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
+    return lora_linear(x, base.weight, base.bias, lora_a, lora_b, scaling)
 
 
 def fuse_lora_layers(model: torch.nn.Module, *, keep_merged: bool = True) -> int:

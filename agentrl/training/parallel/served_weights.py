@@ -2,8 +2,9 @@
 
 Names are those of the plain transformers model, so an engine loads them like any checkpoint. For a LoRA
 model each adapted weight is merged out of place, W + scale * B @ A computed in float32 and rounded once to
-the served dtype (a fused layer that keeps its merged weight for training hands over that very tensor): peft keeps adapters in float32 over a bf16 base, and an in-place merge/unmerge round trip
-would leave rounding in the frozen base (the reference policy). Under FSDP2 every tensor is gathered from
+the served dtype (a fused layer that keeps its merged weight for training hands over that very tensor): peft
+keeps adapters in float32 over a bf16 base, and an in-place merge/unmerge round trip would leave rounding in the
+frozen base (the reference policy). Under FSDP2 every tensor is gathered from
 its shards as it is reached, so no rank ever holds the whole state dict at once.
 """
 
