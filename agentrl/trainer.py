@@ -161,16 +161,19 @@ def unsupported_settings(config: AgentRLConfig) -> list[str]:
         for key, on in sharded_only.items()
         if on
     ]
-    master_dtypes = {
-        "actor_rollout_ref.actor.fsdp_config.model_dtype": arr.actor.fsdp_config.model_dtype,
-        "critic.fsdp_config.model_dtype": config.critic.fsdp_config.model_dtype,
-    }
-    problems += [
-        f"{key}={dtype}: the master-weight dtype is for FSDP2-sharded workers (the local backend trains "
-        f"actor_rollout_ref.model.dtype); set trainer.backend=ray or leave it null"
-        for key, dtype in master_dtypes.items()
-        if dtype is not None
-    ]
+    actor_master = arr.actor.fsdp_config.model_dtype
+    if actor_master not in (None, "float32", arr.model.dtype):
+        problems.append(
+            f"actor_rollout_ref.actor.fsdp_config.model_dtype={actor_master}: on the local backend the master "
+            f"weights are float32 (computing in actor_rollout_ref.model.dtype={arr.model.dtype} under autocast) "
+            f"or actor_rollout_ref.model.dtype itself; FSDP2-sharded workers (trainer.backend=ray) take any dtype"
+        )
+    if config.critic.fsdp_config.model_dtype is not None:
+        problems.append(
+            f"critic.fsdp_config.model_dtype={config.critic.fsdp_config.model_dtype}: the critic's master-weight "
+            f"dtype is for FSDP2-sharded workers (the local backend trains it in actor_rollout_ref.model.dtype); "
+            f"set trainer.backend=ray or leave it null"
+        )
     problems += [
         f"resource_pool_config.{name}={value}: placement needs trainer.backend=ray"
         for name, value in config.resource_pool_config.model_dump().items()

@@ -53,17 +53,31 @@ WEIGHT_DECAY = 0.01
 
 
 def evaluate_heldout(
-    model: Any, tokenizer: Any, rows: list[dict], *, max_tokens: int, batch_size: int
+    model: Any,
+    tokenizer: Any,
+    rows: list[dict],
+    *,
+    max_tokens: int,
+    batch_size: int,
+    compute_dtype: str | None = None,
 ) -> dict:
     """Greedy answers of `model` to `rows` (chat template, up to `max_tokens` new tokens, transformers'
     `generate`), graded strictly and leniently (`agentrl_math.arithmetic.grade`); the model's train/eval mode is
-    restored. `tokenizer` pads on the left. Returns {"strict": share, "lenient": share}."""
+    restored. `tokenizer` pads on the left. `compute_dtype`: generate under autocast to it (mixed precision: the
+    dtype both trainers compute in). Returns {"strict": share, "lenient": share}."""
+    import contextlib
+
     import torch
 
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     strict = lenient = 0
+    precision = (
+        torch.autocast(device.type, dtype=getattr(torch, compute_dtype))
+        if compute_dtype
+        else contextlib.nullcontext()
+    )
     try:
         for start in range(0, len(rows), batch_size):
             chunk = rows[start : start + batch_size]
@@ -72,7 +86,7 @@ def evaluate_heldout(
                 for row in chunk
             ]
             inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            with torch.no_grad():
+            with torch.no_grad(), precision:
                 out = model.generate(
                     **inputs,
                     max_new_tokens=max_tokens,
@@ -125,6 +139,7 @@ class HeldOutClock:
             self.rows,
             max_tokens=self.args.eval_max_tokens,
             batch_size=self.args.eval_batch,
+            compute_dtype=self.args.dtype if self.args.master_dtype != self.args.dtype else None,
         )
         self._sync()
         spent = time.perf_counter() - began
@@ -174,6 +189,7 @@ def run_agentrl(args: argparse.Namespace) -> dict:
         overrides = [
             f"actor_rollout_ref.model.path={args.model}",
             f"actor_rollout_ref.model.dtype={args.dtype}",
+            f"actor_rollout_ref.actor.fsdp_config.model_dtype={args.master_dtype}",
             f"actor_rollout_ref.model.enable_gradient_checkpointing={args.gradient_checkpointing == 'on'}",
             f"trainer.device={args.device}",
             f"trainer.seed={args.seed}",
@@ -275,7 +291,7 @@ def run_trl(args: argparse.Namespace) -> dict:
             bf16=args.dtype == "bfloat16",
             use_cpu=args.device == "cpu",
             gradient_checkpointing=args.gradient_checkpointing == "on",
-            model_init_kwargs={"dtype": args.dtype},
+            model_init_kwargs={"dtype": args.master_dtype},  # bf16=True on float32: autocast
             shuffle_dataset=False,
             seed=args.seed,
         )
@@ -384,7 +400,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--dtype", default="float32", help="weights and compute on both sides")
+    parser.add_argument("--dtype", default="float32", help="compute (and, alone, weights) on both sides")
+    parser.add_argument(
+        "--master-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="trained weights on both sides (default: --dtype); float32 under --dtype bfloat16 is mixed precision: "
+        "TRL's bf16=True on a float32 model, agentrl's actor.fsdp_config.model_dtype=float32",
+    )
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--prompts", type=int, default=32, help="problems per step (the batch)")
     parser.add_argument("--n", type=int, default=8, help="answers per problem (the GRPO group)")
@@ -422,6 +444,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "from each trainer's <name>.points.jsonl, written as it went; the other flags must be the runs'",
     )
     args = parser.parse_args(argv)
+    args.master_dtype = args.master_dtype or args.dtype
     rows = args.prompts * args.n
     args.micro_batch = min(args.micro_batch, rows)
     if rows % args.micro_batch:
@@ -452,7 +475,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name in [] if args.combine else args.trainers:
         results[name], _ = run_trainer_process(__file__, argv, name, show_log=True)
     settings = (
-        f"{args.model} {args.dtype} on {args.device}: {args.steps} steps of {args.prompts} problems x {args.n} "
+        f"{args.model} {args.dtype}{'' if args.master_dtype == args.dtype else f' ({args.master_dtype} weights)'} "
+        f"on {args.device}: {args.steps} steps of {args.prompts} problems x {args.n} "
         f"answers (<= {args.max_tokens} tokens), lr {args.lr}, T {args.temperature}, KL {args.kl}, seed {args.seed}; "
         f"held-out: {args.eval_problems} problems, greedy, <= {args.eval_max_tokens} tokens"
     )

@@ -77,7 +77,7 @@ class ActorFSDPConfig(_Section):
     fsdp_size: int = Field(-1, ge=-1)
     """Ranks that shard one copy of the model (verl's key): -1 shards over all ranks; a divisor of the worker count makes it HSDP (sharded within groups of that many ranks, replicated across them; n_gpus_per_node shards within a node)."""
     model_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """Dtype of the sharded master weights, and so of their gradients and AdamW moments (verl's key; trainer.backend=ray): null is float32 under a lower-precision model.dtype on GPU (computing in model.dtype), else model.dtype; bfloat16 halves what parameter and optimizer offload keep (7B: 57 instead of 113 GiB) at the cost of bfloat16 rounding in the update."""
+    """Dtype of the master weights, and so of their gradients and AdamW moments (verl's key). Sharded (trainer.backend=ray): null is float32 under a lower-precision model.dtype on GPU (computing in model.dtype), else model.dtype; bfloat16 halves what parameter and optimizer offload keep (7B: 57 instead of 113 GiB) at the cost of bfloat16 rounding in the update. Local backend (the actor only): null trains in model.dtype itself; float32 keeps float32 master weights and computes in model.dtype under autocast (TRL's bf16=True on a float32 model), so steps smaller than bfloat16's spacing are kept."""
 
 
 class ActorConfig(_Section):

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -74,10 +75,12 @@ def run_sft(
     seed: int,
     pad_token_id: int,
     prompt_key: str = "prompt",
+    forward_context: Callable[[], AbstractContextManager] = nullcontext,
 ) -> dict[str, float]:
     """Train `model` in place for `sft.epochs` (or `sft.max_steps`), or until the held-out rows (the last
     `sft.val_rows`) reach `sft.stop_accuracy`; returns the first and last loss, the steps run and the last
-    held-out accuracy (`sft/val_accuracy`, with val_rows)."""
+    held-out accuracy (`sft/val_accuracy`, with val_rows). Each forward runs inside `forward_context()` (the
+    policy worker's autocast over float32 master weights)."""
     if sft.val_rows >= len(rows):
         raise ValueError(
             f"sft.val_rows={sft.val_rows} would hold out all {len(rows)} SFT rows; set it below {len(rows)}"
@@ -103,13 +106,14 @@ def run_sft(
         for step, batch in enumerate(batches, 1):
             mine, weight = _share_of(batch)
             input_ids, labels, attention = _pad([examples[i][:2] for i in mine], pad_token_id)
-            out = model(
-                input_ids=input_ids.to(device),
-                attention_mask=attention.to(device),
-                labels=labels.to(device),
-                use_cache=False,
-                **_pixels([examples[i][2] for i in mine], input_ids.to(device), model),
-            )
+            with forward_context():
+                out = model(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention.to(device),
+                    labels=labels.to(device),
+                    use_cache=False,
+                    **_pixels([examples[i][2] for i in mine], input_ids.to(device), model),
+                )
             optimizer.zero_grad(set_to_none=True)
             loss, scale = _global_mean(out.loss, labels, weight)
             (out.loss * scale).backward()

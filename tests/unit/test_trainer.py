@@ -54,9 +54,30 @@ def test_settings_this_version_cannot_honour_are_refused_together(tmp_path):
     message = str(caught.value)
     assert "data.return_multi_modal_inputs=true with algorithm.adv_estimator=gae" in message
     assert "actor_rollout_ref.actor.fsdp_config.param_offload=true" in message
-    assert "actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16: the master-weight dtype" in message
+    assert "actor_rollout_ref.actor.fsdp_config.model_dtype=bfloat16: on the local backend" in message
     assert "actor_rollout_ref.hybrid_engine=false" in message
     assert not any(tmp_path.iterdir())
+
+
+def test_the_local_backend_takes_float32_master_weights_and_refuses_narrower_ones(tmp_path):
+    key = "actor_rollout_ref.actor.fsdp_config.model_dtype"
+    mixed = [
+        "actor_rollout_ref.model.dtype=bfloat16",
+        f"{key}=float32",
+        f"trainer.default_local_dir={tmp_path}",
+    ]
+    AgentTrainer(flow=SingleTurnChatFlow(), evaluator=MathAnswerMatch(), train_dataset=[ROW], config=mixed)
+    narrower = [
+        "actor_rollout_ref.model.dtype=float16",
+        f"{key}=bfloat16",
+        f"trainer.default_local_dir={tmp_path}",
+    ]
+    with pytest.raises(
+        ConfigError, match=f"{key}=bfloat16: on the local backend the master weights are float32"
+    ):
+        AgentTrainer(
+            flow=SingleTurnChatFlow(), evaluator=MathAnswerMatch(), train_dataset=[ROW], config=narrower
+        )
 
 
 def _trainer(tmp_path, overrides=(), **kwargs):

@@ -244,6 +244,12 @@ class _ChunkStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, ids, entropy_grad: bool, math, temperature: float):
+        device_type = hidden.device.type  # the backward recomputes the logits under the forward's autocast
+        ctx.autocast = (
+            (device_type, torch.get_autocast_dtype(device_type))
+            if torch.is_autocast_enabled(device_type)
+            else None
+        )
         logits = _tempered(torch.nn.functional.linear(hidden, weight, bias), temperature)
         lse, log_probs, entropy = math[0](logits, ids)
         ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
@@ -252,6 +258,13 @@ class _ChunkStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.autocast is None:
+            return _ChunkStats._backward(ctx, grad_out)
+        with torch.autocast(ctx.autocast[0], dtype=ctx.autocast[1]):
+            return _ChunkStats._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
         grad_entropy = grad_out[:, 1].contiguous() if ctx.entropy_grad else None
         logits = _tempered(torch.nn.functional.linear(hidden, weight, bias), ctx.temperature)

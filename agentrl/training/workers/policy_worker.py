@@ -12,6 +12,7 @@ engine (data-parallel rollout), and weights stream from the shards into that eng
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -58,6 +59,32 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device
                 state[key] = value.to(device, non_blocking=True)
 
 
+def _warn_if_steps_round_away(model: torch.nn.Module, lr: float, dtype_name: str) -> None:
+    """Say loudly when whole low-precision weights will drop most optimizer steps: an AdamW step of about `lr`
+    is lost wherever it is under half the dtype's spacing (bfloat16 keeps 8 significant bits, so weights above
+    ~256 x lr in magnitude; float16 11 bits: ~2048 x lr), and training then goes on on rounding noise."""
+    bits = {torch.bfloat16: 8, torch.float16: 11}.get(next(model.parameters()).dtype)
+    if bits is None or lr <= 0:
+        return
+    threshold = lr * 2**bits
+    params = [p.detach() for p in model.parameters() if p.requires_grad]
+    total = sum(p.numel() for p in params)
+    lost = sum(int((p.abs() > threshold).sum()) for p in params)
+    if lost > total / 10:
+        log.warning(
+            "actor_rollout_ref.model.dtype=%s trains %s weights on the local backend: AdamW steps of "
+            "actor.optim.lr=%g round away for %.0f%% of this model's weights (those above %.1e in magnitude); "
+            "actor_rollout_ref.actor.fsdp_config.model_dtype=float32 keeps float32 master weights and computes "
+            "in %s (mixed precision)",
+            dtype_name,
+            dtype_name,
+            lr,
+            100 * lost / total,
+            threshold,
+            dtype_name,
+        )
+
+
 class PolicyWorker:
     """Owns the actor model, optimizer and schedule, the reference policy, and the rollout server."""
 
@@ -69,6 +96,9 @@ class PolicyWorker:
         self.model_path = resolve_model_path(arr.model.path)
         self.tokenizer = load_tokenizer(arr.model.tokenizer_path or self.model_path)
         self.actor = self._load_policy(trainable=True, offload=arr.actor.fsdp_config.param_offload)
+        self.autocast_dtype = self._autocast_dtype()
+        if not self.sharded and not is_lora_model(self.actor):
+            _warn_if_steps_round_away(self.actor, arr.actor.optim.lr, arr.model.dtype)
         self.needs_ref = arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward
         self.ref = None
         self.ref_warm_started = False  # then checkpoints carry the reference: it no longer equals model.path
@@ -95,12 +125,13 @@ class PolicyWorker:
 
         Sharded on a GPU with a low-precision `model.dtype`, master weights are float32 (or the actor's
         `fsdp_config.model_dtype`) and compute runs in that dtype (FSDP mixed precision); whole, the model trains in
-        `model.dtype` itself.
+        `model.dtype` itself, or keeps float32 master weights with `fsdp_config.model_dtype=float32` and computes
+        in `model.dtype` under autocast (`_autocast_dtype`).
         """
         arr = self.config.actor_rollout_ref
         compute_dtype = _DTYPES[arr.model.dtype]
         mixed = self.sharded and self.device.type == "cuda" and compute_dtype != torch.float32
-        master = arr.actor.fsdp_config.model_dtype if trainable and self.sharded else None
+        master = arr.actor.fsdp_config.model_dtype if trainable else None
         load_device = "cpu" if offload else str(self.device)
         model = load_causal_lm(
             self.model_path,
@@ -132,6 +163,22 @@ class PolicyWorker:
             )
         return model
 
+    def _autocast_dtype(self) -> torch.dtype | None:
+        """The dtype a whole actor with wider master weights computes in (autocast), as TRL's `bf16=True` on a
+        float32 model and FSDP's mixed precision do: the update keeps every small step that bf16 weights would
+        round away, at the cost of float32 weights, gradients and moments. None where the parameters compute in
+        their own dtype (FSDP2 casts sharded ones itself)."""
+        compute_dtype = _DTYPES[self.config.actor_rollout_ref.model.dtype]
+        param = next(self.actor.parameters())
+        if self.sharded or param.dtype == compute_dtype or param.dtype != torch.float32:
+            return None
+        return compute_dtype
+
+    def _in_compute_dtype(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
     def pid(self) -> int:
         """The process holding this worker (to find a rank's process from the controller)."""
         return os.getpid()
@@ -160,6 +207,7 @@ class PolicyWorker:
             seed=self.config.trainer.seed,
             pad_token_id=self.tokenizer_pad_id(),
             prompt_key=self.config.data.prompt_key,
+            forward_context=self._in_compute_dtype,
         )
         if self.ref is not None:
             with torch.no_grad():  # same architecture and sharding: copy shard by shard
@@ -252,7 +300,7 @@ class PolicyWorker:
         from (old, reference and current policy alike, as verl's actor divides by the rollout temperature)."""
         compile_head = self.config.actor_rollout_ref.actor.use_torch_compile and self.device.type == "cuda"
         temperature = self.config.actor_rollout_ref.rollout.temperature
-        with adapters_in_base_dtype(model):
+        with adapters_in_base_dtype(model), self._in_compute_dtype():
             return compute_log_probs(
                 model, batch, compile_head=compile_head, temperature=temperature, **kwargs
             )
