@@ -18,7 +18,8 @@ engine, does not run). Wall-clock runs from the trainer's construction (model lo
 included) and stops while evaluating, so both trainers' curves count training time only.
 
 Prints a markdown table (step, wall s, strict and lenient accuracy per trainer) and writes `results.json` and
-`learning_vs_trl.png` (accuracy against steps and against wall-clock) into `--out`.
+`learning_vs_trl.png` (accuracy against steps and against wall-clock) into `--out`, with agentrl's metrics of every
+step (`agentrl.metrics.jsonl`: timings, engine counters).
 
     python benchmarks/learning_vs_trl.py --device cuda                                    # GPU: 100 steps, 32 x 8
     python benchmarks/learning_vs_trl.py --device cpu --steps 4 --prompts 8 --n 4 --max-tokens 32 \\
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -228,6 +230,8 @@ def run_agentrl(args: argparse.Namespace) -> dict:
             train_dataset=train,
             val_dataset=heldout,
         ).train()
+        for history in Path(run_dir).rglob("metrics.jsonl"):  # every step's metrics, kept beside the curve
+            shutil.copyfile(history, Path(args.out) / "agentrl.metrics.jsonl")
     return {"points": clock.points, "peak_gib": round(_peak_gib(args.device), 2)}
 
 
