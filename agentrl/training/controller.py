@@ -40,7 +40,6 @@ from agentrl.rollout.stack import build_rollout_stack
 from agentrl.runs.rollout_writer import ROLLOUTS_DIR, RolloutLog, config_hash
 from agentrl.runs.truncate import truncate_run_history
 from agentrl.tracking import build_tracker, progress_bar, set_progress_postfix
-from agentrl.training.gc_pauses import freeze_setup_objects, thaw_setup_objects
 from agentrl.training.metrics import (
     collapse_warning,
     compute_batch_metrics,
@@ -282,11 +281,6 @@ class Controller:
             # Last, so nothing built above draws from the restored generators before step one.
             self.collector.load_state_dict(load_trainer_state(resume_from).get("collector", {"rounds": 0}))
             restore_rng_state(resume_from)
-        # What setup built lives for the run: full garbage collections during the steps skip it (`gc_pauses`).
-        for group in (self.policy, self.critic):  # the workers' processes (this one on the local backend)
-            if group is not None:
-                group.call("freeze_setup_objects")
-        freeze_setup_objects()
 
     # ---- the loop ---------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -634,4 +628,3 @@ class Controller:
         if self.tracker is not None:
             self.tracker.finish(status=status)
             self.tracker = None
-        thaw_setup_objects()  # what this run built can be collected again (a process may train more than once)

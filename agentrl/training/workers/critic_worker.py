@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from agentrl.algorithms.losses import compute_value_loss
 from agentrl.models import resolve_model_path
-from agentrl.training.gc_pauses import freeze_setup_objects
 from agentrl.training.optim import build_lr_scheduler, build_optimizer
 from agentrl.training.parallel.fsdp import shard_model
 from agentrl.training.parallel.model_state import load_model, save_model
@@ -66,10 +65,6 @@ class CriticWorker:
         self.generator = torch.Generator().manual_seed(config.trainer.seed + 1)
 
     @torch.no_grad()
-    def freeze_setup_objects(self) -> int:
-        """Once setup is done: this process's full garbage collections skip what setup built (`gc_pauses`)."""
-        return freeze_setup_objects()
-
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         self.model.eval()
         length = batch.input_ids.shape[1]

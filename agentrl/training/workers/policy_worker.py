@@ -29,7 +29,6 @@ from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
 from agentrl.models.compile_cache import use_compile_cache
 from agentrl.models.vision import apply_vision_tower_setting
 from agentrl.training.flops import device_peak_flops, mfu
-from agentrl.training.gc_pauses import freeze_setup_objects
 from agentrl.training.lora import adapters_disabled, adapters_in_base_dtype, apply_lora, is_lora_model
 from agentrl.training.optim import build_lr_scheduler, build_optimizer
 from agentrl.training.parallel.distributed import all_reduce_sum, world_size
@@ -179,10 +178,6 @@ class PolicyWorker:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def freeze_setup_objects(self) -> int:
-        """Once setup is done: this process's full garbage collections skip what setup built (`gc_pauses`)."""
-        return freeze_setup_objects()
 
     def pid(self) -> int:
         """The process holding this worker (to find a rank's process from the controller)."""
