@@ -62,7 +62,7 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device
 def _warn_if_steps_round_away(model: torch.nn.Module, lr: float, dtype_name: str) -> None:
     """Say loudly when whole low-precision weights will drop most optimizer steps: an AdamW step of about `lr`
     is lost wherever it is under half the dtype's spacing (bfloat16 keeps 8 significant bits, so weights above
-    ~256 x lr in magnitude; float16 11 bits: ~2048 x lr), and training then goes on on rounding noise."""
+    ~256 x lr in magnitude; float16 11 bits: ~2048 x lr), and the run goes on with most of its updates lost."""
     bits = {torch.bfloat16: 8, torch.float16: 11}.get(next(model.parameters()).dtype)
     if bits is None or lr <= 0:
         return
