@@ -23,9 +23,9 @@ moves W' by half a bf16 step; gradients reach A and B exactly.
 A layer of a model that is not sharded *keeps* its merged weight (`fuse_lora_layers(keep_merged=True)`): W' is
 formed once per change of W, A or B (an optimizer step, their version counters), in float32 and rounded once to
 the compute dtype, the formula of the weights the engine serves, so the sync sends that very tensor
-(`kept_merged_weight`) and the trainer's forward runs on exactly the weights the engine sampled from. The forward is then full fine-tuning's
-`F.linear` on a leaf W' (autograd's C++ backward forms dW' = dy^T x), and a hook on W' turns each dW' into the
-adapters' gradients. Per optimizer step that is one merge per layer instead of one in every forward, recompute
+(`kept_merged_weight`) and the trainer's forward runs on exactly the weights the engine sampled from. The
+forward is then full fine-tuning's `F.linear` on a leaf W' (autograd's C++ backward forms dW' = dy^T x), and a
+hook on W' turns each dW' into the adapters' gradients. Per optimizer step that is one merge per layer instead of one in every forward, recompute
 and backward of every micro-batch, and no Python autograd function. A sharded model forms W' in each call
 (`_MergedLoRALinear`): FSDP gathers A and B only inside the layer's forward and backward.
 Only vanilla LoRA with one active adapter and no dropout takes this path; anything else (merged adapters,
