@@ -67,6 +67,13 @@ class ParkedWeights:
         if self._memory is not None:
             self._memory.release()
 
+    def settle(self) -> None:
+        """Move the weights to the places every wake brings them back to, before any graph reads them: parked
+        and restored once, through the host (a copy on the device would need the weights' memory twice)."""
+        if self.stable:
+            self.park()
+            self.restore()
+
     def restore(self) -> None:
         """Bring the weights back to the device: into their stable places when reserved, else wherever the
         allocator puts them."""

@@ -117,6 +117,7 @@ class EmbeddedEngine:
         enable_prefix_caching: bool = True,
         prefill_chunk_tokens: int = 8192,
         prefix_max_weight_changes: int = 0,
+        sleeps_between_steps: bool = False,
     ) -> None:
         """`image_processor`: a vision-language model's (loaded from the model's folder when None).
         `cuda_graphs=False` decodes eagerly (verl's `enforce_eager`); it only matters on CUDA.
@@ -128,7 +129,10 @@ class EmbeddedEngine:
         agent's next turn) or sharing its prefix computes only the rest; identical prompts admitted together
         are computed once. `prefill_chunk_tokens`: the most prompt tokens one prefill forward computes.
         `prefix_max_weight_changes`: how many weight changes a parked prefix outlives (0: new weights forget
-        every one; asynchronous training with `async_training.reuse_stale_prefixes` sets its staleness bound)."""
+        every one; asynchronous training with `async_training.reuse_stale_prefixes` sets its staleness bound).
+        `sleeps_between_steps`: the hybrid engine sleeps around every update; weights it owns move now to the
+        addresses each wake brings them back to (`ParkedWeights.settle`), so graphs captured before the first
+        sleep stay valid (else all were captured again after it: 0.85 s of a 20-step SmolLM2 run on an H200)."""
         self.model = model.eval()
         self.owns_weights = owns_weights
         self.draw_on_device = draw_on_device
@@ -156,6 +160,8 @@ class EmbeddedEngine:
             model, self._device, stable=isinstance(self._batch, SlotBatch) and self._batch.cuda_graphs
         )
         """Where weights it owns wait while it sleeps (on CUDA)."""
+        if sleeps_between_steps and owns_weights and self._device.type == "cuda":
+            self._parked.settle()
         self._asleep = False
         self._closed = False
         self._admin_waiting = 0
@@ -713,13 +719,21 @@ class EmbeddedEngine:
         with self._between_steps():
             return fingerprint_state_dict(self.model.state_dict())
 
-    def sleep(self, discard_weights: bool = False) -> None:
+    def sleep(self, discard_weights: bool = False, keep_allocator_cache: bool = False) -> None:
         """Free generation memory (KV cache; on CUDA also move weights it owns to CPU). Needs no running rows.
         Under CUDA graphs the cache keeps its addresses (`SlotBatch.release_cache`), weights it owns come back
         to theirs (`ParkedWeights`), and the graphs stay: only their own working memory is held while the
         engine sleeps. `discard_weights`: the caller pushes every weight after the wake (the synchronous
         step's sync), so weights it owns are neither copied out nor back (vLLM's sleep level 2); the engine
-        generates again once that push has loaded them all."""
+        generates again once that push has loaded them all.
+
+        `keep_allocator_cache`: the memory PyTorch's allocator caches stays with this process, for a trainer
+        in it that no other process shares the device with. That trainer reuses the cached blocks (the
+        allocator returns them to the driver itself before it reports out of memory, and so does the cache's
+        restore at the wake); emptying the cache at every sleep made each update allocate afresh: ~490
+        cudaMalloc/cudaFree pairs and 66 ms of host time a SmolLM2 update on an H200. Otherwise the cache is
+        emptied, so another process (a critic sharing the GPU, any process after `agentrl serve`'s /sleep)
+        can use the memory."""
         with self._between_steps():
             if self._rows:
                 raise RuntimeError(f"cannot sleep: {len(self._rows)} sequences are running")
@@ -729,7 +743,8 @@ class EmbeddedEngine:
             if self._device.type == "cuda":
                 if self.owns_weights:
                     self._parked.park(keep=not discard_weights)
-                torch.cuda.empty_cache()
+                if not keep_allocator_cache:
+                    torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
         """Undo `sleep`; requests that arrived meanwhile start now (after a `discard_weights` sleep, once a push

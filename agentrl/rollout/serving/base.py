@@ -45,9 +45,11 @@ class PolicyServing(Protocol):
     def probe(self, prompt_ids: Sequence[int], max_tokens: int) -> list[ProbeResult]:
         """A greedy completion of `prompt_ids` from every server, with log-probs (the check of last resort)."""
 
-    def sleep(self, discard_weights: bool = False) -> None:
+    def sleep(self, discard_weights: bool = False, keep_allocator_cache: bool = False) -> None:
         """Free generation memory before training. `discard_weights`: every weight is pushed after the wake, so
-        an engine that owns a copy need not keep it (the embedded engine; vLLM keeps its own sleep)."""
+        an engine that owns a copy need not keep it (the embedded engine; vLLM keeps its own sleep).
+        `keep_allocator_cache`: the trainer in this process, alone on its device, reuses what PyTorch's
+        allocator caches (the embedded engine; vLLM's memory is its own process's)."""
 
     def wake_up(self) -> None:
         """Take generation memory back after training."""

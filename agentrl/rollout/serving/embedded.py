@@ -53,8 +53,8 @@ class EmbeddedServing:
     def probe(self, prompt_ids: Sequence[int], max_tokens: int) -> list[ProbeResult]:
         return [probe_server(self.url, self.model_name, prompt_ids, max_tokens)]
 
-    def sleep(self, discard_weights: bool = False) -> None:
-        self.engine.sleep(discard_weights=discard_weights)
+    def sleep(self, discard_weights: bool = False, keep_allocator_cache: bool = False) -> None:
+        self.engine.sleep(discard_weights=discard_weights, keep_allocator_cache=keep_allocator_cache)
 
     def wake_up(self) -> None:
         self.engine.wake_up()
@@ -104,6 +104,7 @@ def start_embedded_serving(
         enable_prefix_caching=rollout.enable_prefix_caching,
         prefill_chunk_tokens=rollout.max_num_batched_tokens,
         prefix_max_weight_changes=stale_prefix_bound(config),
+        sleeps_between_steps=rollout.free_cache_engine,
     )
     name = served_model_name(config)
     app = build_server_app(

@@ -65,8 +65,9 @@ class VLLMServing:
     def probe(self, prompt_ids: Sequence[int], max_tokens: int) -> list[ProbeResult]:
         return [probe_server(url, self.model_name, prompt_ids, max_tokens) for url in self.urls]
 
-    def sleep(self, discard_weights: bool = False) -> None:
-        """POST /sleep at the server's own level; `discard_weights` changes nothing for vLLM."""
+    def sleep(self, discard_weights: bool = False, keep_allocator_cache: bool = False) -> None:
+        """POST /sleep at the server's own level; `discard_weights` and `keep_allocator_cache` change nothing
+        for vLLM."""
         self._run(self._admin.sleep())
         self._raise_if_unhealthy("sleep")
 

@@ -85,6 +85,12 @@ def _warn_if_steps_round_away(model: torch.nn.Module, lr: float, dtype_name: str
         )
 
 
+def shares_device(config: AgentRLConfig) -> bool:
+    """Whether another process trains on this worker's device: the critic's workers on the Ray backend take
+    half of each policy device (`ray_cluster`); on the local backend the critic is in this process."""
+    return config.trainer.backend == "ray" and config.algorithm.adv_estimator == "gae"
+
+
 class PolicyWorker:
     """Owns the actor model, optimizer and schedule, the reference policy, and the rollout server."""
 
@@ -288,7 +294,7 @@ class PolicyWorker:
         """Before the update: the sync after it pushes every weight, so a copy the engine owns (LoRA's merged
         weights) is dropped rather than parked on the host and brought back."""
         if self.rollout is not None and self.config.actor_rollout_ref.rollout.free_cache_engine:
-            self.rollout.sleep(discard_weights=True)
+            self.rollout.sleep(discard_weights=True, keep_allocator_cache=not shares_device(self.config))
 
     def wake_rollout(self) -> None:
         if self.rollout is not None and self.config.actor_rollout_ref.rollout.free_cache_engine:
