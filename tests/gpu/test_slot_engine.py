@@ -213,7 +213,9 @@ def test_a_sleep_returns_the_cache_memory_and_keeps_its_addresses_and_graphs(own
         assert batch._graphs and batch._memory is not None, "the cache is not at stable addresses on this GPU"
         kept, after = sleep_and_wake()
         assert after == before
-        assert kept == (settled or not owns_weights), "graphs that read the weights' old addresses were replayed"
+        assert kept == (settled or not owns_weights), (
+            "graphs that read the weights' old addresses were replayed"
+        )
         if owns_weights:
             kept, again = sleep_and_wake()
             assert kept, "the weights did not come back to the addresses of the first wake"
