@@ -132,3 +132,44 @@ def test_a_bf16_policy_step_with_weight_sync_on_the_0_5b_shape(tmp_path, lora_ra
         assert 0 < metrics["perf/mfu/actor"] < 1  # an H100/H200 has a known peak
     finally:
         worker.shutdown()
+
+
+def test_training_forwards_on_padded_batches_use_no_cudnn_attention():
+    """cuDNN's attention builds a plan for every new shape: 1-2 s stalls inside single updates of an RL run,
+    whose batches change shape every step. A worker on CUDA leaves it out: the padded batch's attention, which
+    runs on cuDNN when it is allowed, runs on another kernel, and the log-probs agree within bf16 rounding."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from agentrl.training.update.assembly import TrainingRow, rows_to_batch
+    from agentrl.training.workers.policy_worker import PolicyWorker
+
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    config = load_config([f"actor_rollout_ref.model.path={SHAPE}", "actor_rollout_ref.model.dtype=bfloat16"])
+    worker = PolicyWorker(config, total_steps=1, device="cuda")
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    rows = [
+        TrainingRow(
+            list(range(10, 30 + 7 * i)), [0] * 8 + [1] * (12 + 7 * i), [0.0] * (20 + 7 * i), 1.0, "g", str(i)
+        )
+        for i in range(4)
+    ]
+    batch = rows_to_batch(rows, pad_token_id=0)
+
+    def log_probs_and_cudnn_kernels():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            log_probs = worker.compute_log_prob(batch)["old_log_probs"]
+            torch.cuda.synchronize()
+        return log_probs, [e.key for e in prof.key_averages() if "cudnn" in e.key.lower()]
+
+    without, kernels = log_probs_and_cudnn_kernels()
+    assert not kernels, kernels
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        with_cudnn, kernels = log_probs_and_cudnn_kernels()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    assert kernels, (
+        "this GPU does not pick cuDNN's attention for a padded batch: the check above proves nothing"
+    )
+    mask = batch.response_mask.bool()
+    assert (without - with_cudnn)[mask].abs().max() < 0.1

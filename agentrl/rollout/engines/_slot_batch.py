@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from agentrl.models.attention_kernels import cudnn_attention_for_capture
 from agentrl.models.compile_cache import use_compile_cache
 from agentrl.rollout.engines._prefix_cache import PrefixCache, shared_prefixes
 from agentrl.rollout.engines._sampling import as_int64, policy_logprob, sample_on_device
@@ -899,13 +900,14 @@ class SlotBatch:
             self._graph_weights = weight_layout(self.model)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            warm_up()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a trainer in another thread (asynchronous training) may use the GPU during a capture.
-        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            output = step()
+        with cudnn_attention_for_capture():  # a training worker leaves it out; a graph builds its plan once
+            with torch.cuda.stream(side):
+                warm_up()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a trainer in another thread (asynchronous training) may use the GPU during a capture.
+            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+                output = step()
         self.setup_s["graph_capture_s"] += time.perf_counter() - start
         return graph, output
 

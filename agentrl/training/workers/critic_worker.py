@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from agentrl.algorithms.losses import compute_value_loss
 from agentrl.models import resolve_model_path
+from agentrl.models.attention_kernels import skip_cudnn_attention
 from agentrl.training.optim import build_lr_scheduler, build_optimizer
 from agentrl.training.parallel.fsdp import shard_model
 from agentrl.training.parallel.model_state import load_model, save_model
@@ -42,6 +43,7 @@ class CriticWorker:
         critic_cfg = config.critic
         path = resolve_model_path(critic_cfg.model.path or config.actor_rollout_ref.model.path)
         self.device = torch.device(device)
+        skip_cudnn_attention(self.device)
         self.sharded = dist.is_initialized()
         offload = critic_cfg.fsdp_config.param_offload
         dtype = config.actor_rollout_ref.model.dtype

@@ -26,6 +26,7 @@ from agentrl.algorithms.kl import compute_kl_penalty
 from agentrl.algorithms.losses import aggregate_loss, compute_policy_loss
 from agentrl.algorithms.rollout_correction import behaviour_weights
 from agentrl.models import load_causal_lm, load_tokenizer, resolve_model_path
+from agentrl.models.attention_kernels import skip_cudnn_attention
 from agentrl.models.compile_cache import use_compile_cache
 from agentrl.models.vision import apply_vision_tower_setting
 from agentrl.training.flops import device_peak_flops, mfu
@@ -98,6 +99,7 @@ class PolicyWorker:
         arr = config.actor_rollout_ref
         self.config = config
         self.device = torch.device(device)
+        skip_cudnn_attention(self.device)
         self.sharded = dist.is_initialized()
         self.model_path = resolve_model_path(arr.model.path)
         self.tokenizer = load_tokenizer(arr.model.tokenizer_path or self.model_path)
