@@ -943,7 +943,8 @@ class SlotBatch:
         had_cache = self.length > 0
         for length in (MIN_LENGTH, 2 * MIN_LENGTH):  # the second compiles the cache length symbolic
             self._ensure_length(min(length, self.max_model_len))
-            with torch.inference_mode():  # as `decode` and `decode_sampled` run it
+            # as `decode` and `decode_sampled` run it, and with the attention kernels of `_capture`
+            with torch.inference_mode(), cudnn_attention_for_capture():
                 self._warm_up(MIN_BUCKET)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
