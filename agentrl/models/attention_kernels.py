@@ -8,7 +8,9 @@ sat there for 120 samples of a 2.5 s update). Training workers therefore leave c
 (`skip_cudnn_attention`; the memory-efficient and flash kernels need no plan): 20 steps' updates took 5.1-5.6 s
 against 7.7-9.0 s. A CUDA graph is different: it is captured once per shape and replayed, so the plan is built
 once, and the engine's decode ran faster on cuDNN (5.4-5.7 s of decoding against 7.8 s without it): graphs are
-captured with it allowed (`cudnn_attention_for_capture`).
+captured with it allowed (`cudnn_attention_for_capture`). The switch is process-wide: while a capture runs, a
+training forward in another thread (asynchronous training on the local backend, whose engine captures beside the
+update in its first steps) may pick cuDNN too; captures stop once every shape has its graph.
 """
 
 from __future__ import annotations
