@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from agentrl.rollout.engines._slot_batch import weight_layout
-from agentrl.rollout.engines._slot_decode import KVShape, decode_step, extend_step, prefill_slots
+from agentrl.rollout.engines._slot_decode import (
+    KVShape,
+    decode_attention,
+    decode_step,
+    extend_step,
+    prefill_slots,
+)
 from tests._random_qwen2 import random_qwen2
 
 SLOTS, LENGTH = 4, 64
@@ -188,3 +194,22 @@ def test_rows_left_in_high_slots_move_low_and_a_prefix_parked_low_moves_up_intac
     first = batch.admit([turn], [1], reserve=64)
     assert batch.counters["prefix_hit_tokens"] - hits == len(sequences[0])
     torch.testing.assert_close(first[0], _reference(model, turn)[-1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 7])
+def test_the_cpu_decode_attention_equals_scaled_dot_product_attention(groups):
+    """The CPU decode step attends with two matrix products (faster there at a few query rows a kv head): over
+    a strided view of the cache, rows of different lengths masked, it gives what SDPA gives."""
+    torch.manual_seed(groups)
+    rows, kv_heads, length, span, head = 5, 2, 96, 70, 16
+    keys, values = torch.randn(8, kv_heads, length, head), torch.randn(8, kv_heads, length, head)
+    query = torch.randn(rows, kv_heads, groups, head)
+    visible = (torch.arange(span) <= torch.tensor([0, 9, 33, 69, 50])[:, None])[:, None, None, :]
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    cached_keys, cached_values = keys[:rows, :, :span], values[:rows, :, :span]
+    got = decode_attention(query, cached_keys, cached_values, attn_mask=mask, scale=0.3)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query, cached_keys, cached_values, attn_mask=mask, scale=0.3
+    )
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
