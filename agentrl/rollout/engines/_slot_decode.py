@@ -184,12 +184,12 @@ def decode_attention(
 ) -> torch.Tensor:
     """A decode step's attention: a kv head's few query rows (its query heads) over the cached positions.
 
-    On the CPU as two matrix products around a softmax, with the additive mask: PyTorch's CPU kernel for
-    scaled-dot-product attention works in blocks of query rows and took 1.5x as long with two rows a kv head
-    (32 rows over 640 positions, head size 32: 0.79 against 0.54 ms on 2 cores), 1.2x with three and about the
-    same with seven (`benchmarks/decode_attention.py`). The same arithmetic, so logprobs still equal teacher forcing. Elsewhere
-    (CUDA graphs, fused kernels) scaled-dot-product attention."""
-    if query.device.type != "cpu":
+    On the CPU in float32 as two matrix products around a softmax, with the additive mask: PyTorch's CPU kernel
+    for scaled-dot-product attention works in blocks of query rows and took 1.3-1.8x as long with two rows a kv
+    head (32 rows over 640 positions, head size 32), 1.1-1.2x with three and about the same with seven
+    (`benchmarks/decode_attention.py`); logprobs still equal teacher forcing. Elsewhere (CUDA graphs, fused
+    kernels) and in lower precision (whose softmax the kernel takes in float32) scaled-dot-product attention."""
+    if query.device.type != "cpu" or query.dtype != torch.float32:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=attn_mask, scale=scale)
     scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scale).add_(attn_mask)
     return torch.matmul(torch.softmax(scores, dim=-1), values)

@@ -213,3 +213,16 @@ def test_the_cpu_decode_attention_equals_scaled_dot_product_attention(groups):
     )
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_cpu_decode_attention_leaves_lower_precision_to_scaled_dot_product_attention():
+    """In bf16 the matrix products would take the softmax in bf16, where SDPA's kernel takes it in float32: bf16
+    stays on SDPA, bit for bit."""
+    torch.manual_seed(3)
+    query = torch.randn(4, 2, 2, 16, dtype=torch.bfloat16)
+    keys, values = (torch.randn(4, 2, 16, 16, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.zeros(4, 1, 1, 16, dtype=torch.bfloat16)
+    mask[1, ..., 9:] = float("-inf")
+    got = decode_attention(query, keys, values, attn_mask=mask, scale=0.25)
+    want = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.25)
+    assert torch.equal(got, want)
