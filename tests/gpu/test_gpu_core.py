@@ -128,6 +128,12 @@ def test_a_bf16_policy_step_with_weight_sync_on_the_0_5b_shape(tmp_path, lora_ra
         assert metrics["actor/grad_norm"] > 0 and torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
         sync = worker.sync_weights()  # bf16 LoRA merge: the served fingerprint must match the trainer's
         assert sync["rollout/policy_version"] == 2
+        assert not worker.rollout.engine.owns_weights  # LoRA too: the engine serves the trainer's tensors
+        after = _batch_from_rollouts(
+            worker, prompts=2
+        )  # graphs captured before the update read the new merge
+        trained = worker.compute_log_prob(after)["old_log_probs"][after.response_mask]
+        assert (trained - after.rollout_log_probs[after.response_mask]).abs().max() < 0.25
         assert metrics["perf/max_memory_allocated_gb"] > 0
         assert 0 < metrics["perf/mfu/actor"] < 1  # an H100/H200 has a known peak
     finally:

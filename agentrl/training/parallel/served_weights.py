@@ -11,22 +11,13 @@ its shards as it is reached, so no rank ever holds the whole state dict at once.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from agentrl.training.lora import is_lora_model
 from agentrl.training.lora_fused import kept_merged_weight
 from agentrl.training.parallel.fsdp import full_tensor
-
-
-def _lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    from peft.tuners.lora import LoraLayer
-
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, LoraLayer) and not module.merged and _active(module)
-    }
 
 
 def _active(module: torch.nn.Module) -> list[str]:
@@ -46,24 +37,74 @@ def _merged_weight(module: torch.nn.Module, base: torch.Tensor) -> torch.Tensor:
     return merged
 
 
+def _served_tensors(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.Tensor, Any]]:
+    """(served name, tensor, the LoRA layer whose adapters merge into it or None) in `state_dict` order, tied
+    weights under each name, without peft's adapter modules: a walk of the served modules only (a 0.5B model
+    with LoRA on every linear layer has ~2,300 modules, ~500 of them served; its `state_dict()` was half a
+    sync's host time)."""
+    lora = _lora_layer_class()
+    merging = isinstance(module, lora) and not module.merged and bool(_active(module))
+    for name, param in module._parameters.items():
+        if param is not None:
+            yield prefix + name, param.detach(), None
+    for name, buffer in module._buffers.items():
+        if buffer is not None and name not in module._non_persistent_buffers_set:
+            yield prefix + name, buffer.detach(), None
+    for name, child in module._modules.items():
+        if child is None or (isinstance(module, lora) and name.startswith("lora_")):
+            continue
+        if isinstance(module, lora) and name == "base_layer":  # served under the layer's own name
+            for key, tensor, _ in _served_tensors(child, prefix):
+                yield key, tensor, module if merging and key == prefix + "weight" else None
+        else:
+            yield from _served_tensors(child, f"{prefix}{name}.")
+
+
+def _lora_layer_class() -> type:
+    from peft.tuners.lora import LoraLayer
+
+    return LoraLayer
+
+
 @torch.no_grad()
 def iter_served_weights(
     model: torch.nn.Module, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor in `dtype`, or the model's own dtype when None) for every served weight."""
-    lora = is_lora_model(model)
-    base = model.get_base_model() if lora else model
-    layers = _lora_layers(base) if lora else {}
-    for key, value in base.state_dict().items():
-        if lora and "lora_" in key:
-            continue
+    base = model.get_base_model() if is_lora_model(model) else model
+    for name, value, layer in _served_tensors(base):
         tensor = full_tensor(value)
         own_dtype = tensor.dtype
-        prefix, _, leaf = key.rpartition(".base_layer.")
-        if prefix in layers and leaf == "weight":
-            kept = kept_merged_weight(layers[prefix], dtype)
-            tensor = kept if kept is not None else _merged_weight(layers[prefix], tensor)
-        yield key.replace(".base_layer.", "."), tensor.to(dtype or own_dtype)
+        if layer is not None:
+            kept = kept_merged_weight(layer, dtype)
+            tensor = kept if kept is not None else _merged_weight(layer, tensor)
+        yield name, tensor.to(dtype or own_dtype)
+
+
+def shared_serving_model(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module | None:
+    """A plain transformers model (no LoRA layers) whose every weight *is* a tensor `model` holds: its base
+    weights, and each adapted layer's kept merged weight (`lora_fused.kept_merged_weight`, formed again in
+    place after each optimizer step). The hybrid engine serves it as it serves a full fine-tuning actor: no
+    second copy of the weights, nothing to copy at a sync. None where some served weight would be a new tensor
+    (a thin or sharded adapted layer, another dtype): the engine then keeps a copy of its own."""
+    base = model.get_base_model() if is_lora_model(model) else model
+    served = dict(iter_served_weights(model, dtype))
+    lora = _lora_layer_class()
+    kept = (kept_merged_weight(m, dtype) for m in base.modules() if isinstance(m, lora) and _active(m))
+    held = {t.data_ptr() for t in (*base.parameters(), *(k for k in kept if k is not None))}
+    if any(t.data_ptr() not in held for t in served.values()):
+        return None
+    with torch.device("meta"):
+        plain = type(base)(base.config)
+    plain.load_state_dict(served, assign=True, strict=True)
+    buffers = {name.replace(".base_layer.", "."): b for name, b in base.named_buffers()}
+    for name, _ in list(plain.named_buffers()):  # the non-persistent ones (rotary frequencies) are not served
+        owner, _, leaf = name.rpartition(".")
+        plain.get_submodule(owner)._buffers[leaf] = buffers[name]
+    plain.requires_grad_(False)
+    if getattr(base, "generation_config", None) is not None:
+        plain.generation_config = base.generation_config
+    return plain.eval()
 
 
 def served_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

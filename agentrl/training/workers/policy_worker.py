@@ -234,27 +234,38 @@ class PolicyWorker:
             self.tokenizer,
             self.config,
             device=str(self.device),
-            policy=self.actor if self._engine_can_share_actor() else None,
+            policy=self._shared_policy(),
             host=_serving_host(self.config.trainer.nnodes),
         )
         self.sync_weights()
         return self.rollout.urls
 
     def _engine_can_share_actor(self) -> bool:
-        """Whether the embedded engine can serve the actor module itself (no second copy, nothing to copy after
-        an update): not while rollouts run ahead of training (asynchronous), and a whole module (not FSDP shards, not offloaded), without LoRA (the engine serves merged
-        adapters), whose weights are in the served dtype on this device."""
+        """Whether the embedded engine can serve the actor's own weights (no second copy, nothing to copy after
+        an update): not while rollouts run ahead of training (asynchronous), and a whole module (not FSDP
+        shards, not offloaded) whose weights are in the served dtype on this device."""
         arr = self.config.actor_rollout_ref
-        param = next(self.actor.parameters())
+        param = next(p for n, p in self.actor.named_parameters() if "lora_" not in n)
         run_ahead = self.config.async_training
         return (
             not (run_ahead.enable and run_ahead.staleness_threshold > 0)  # it serves while the actor trains
             and arr.rollout.name == "embedded"
             and not self.sharded
-            and not is_lora_model(self.actor)
             and param.dtype == _DTYPES[arr.model.dtype]
             and param.device.type == self.device.type
         )
+
+    def _shared_policy(self) -> torch.nn.Module | None:
+        """The module the embedded engine serves in place of a copy of its own: the actor itself, or for LoRA a
+        plain model over the actor's base weights and kept merged weights (`shared_serving_model`); None when
+        the engine must hold its own copy."""
+        if not self._engine_can_share_actor():
+            return None
+        if not is_lora_model(self.actor):
+            return self.actor
+        from agentrl.training.parallel.served_weights import shared_serving_model
+
+        return shared_serving_model(self.actor, _DTYPES[self.config.actor_rollout_ref.model.dtype])
 
     def sync_weights(self) -> dict[str, float]:
         """Push the actor's weights to the engine and verify it serves them (fingerprint or probe)."""

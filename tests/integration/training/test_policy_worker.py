@@ -11,6 +11,7 @@ import torch
 from agentrl.config import load_config
 from agentrl.models import load_causal_lm
 from agentrl.rollout.engines.embedded import fingerprint_state_dict
+from agentrl.training.lora_fused import is_fused, kept_merged_weight
 from agentrl.training.parallel.served_weights import served_state_dict
 from agentrl.training.update.assembly import TrainingRow, rows_to_batch
 from agentrl.training.update.forward import compute_log_probs
@@ -118,9 +119,7 @@ def test_sync_pushes_trained_weights_and_restores_corrupted_ones(worker):
 def test_the_engine_serves_the_actor_module_itself_when_it_can(shared_worker, worker, lora_worker):
     worker_, engine = shared_worker, shared_worker.rollout.engine
     assert engine.model is worker_.actor and not engine.owns_weights
-    assert (
-        lora_worker.rollout.engine.model is not lora_worker.actor
-    )  # LoRA: the engine serves merged adapters
+    assert lora_worker.rollout.engine.model is not lora_worker.actor  # LoRA: a plain model over its tensors
     before = _served(worker_)
     version = engine.policy_version
     metrics = _train_once(worker_)
@@ -133,14 +132,40 @@ def test_the_engine_serves_the_actor_module_itself_when_it_can(shared_worker, wo
     assert (
         not worker_.actor.training
     )  # prefill must not run in train mode (gradient checkpointing drops the cache)
-    batch = _batch(worker_.tokenizer_pad_id())
-    prompt = batch.input_ids[0, :4].tolist()
-    params = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
-    out = asyncio.run(engine.generate(prompt, params))[0]
-    with torch.no_grad():  # the engine samples from the trained weights: its logprobs are the actor's
-        logits = worker_.actor(torch.tensor([prompt + out.token_ids])).logits[0, 3:-1].float()
+    sampled, scored = _sample_and_score(worker_, worker_.actor)  # the engine samples from the trained weights
+    assert torch.allclose(sampled, scored, atol=1e-4)
+
+
+def _sample_and_score(worker: PolicyWorker, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Six tokens the engine samples after a prompt, with its log-probs, and `model`'s log-probs of them."""
+    prompt = _batch(worker.tokenizer_pad_id()).input_ids[0, :4].tolist()
+    out = asyncio.run(
+        worker.rollout.engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=6, seed=5))
+    )[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, 3:-1].float()
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
-    assert torch.allclose(expected, torch.tensor(out.logprobs), atol=1e-4)
+    return torch.tensor(out.logprobs), expected
+
+
+def test_a_lora_engine_serves_the_actors_own_tensors_and_a_sync_copies_nothing(lora_worker):
+    """LoRA on the hybrid engine: the engine's model is a plain model whose every tensor is one the actor
+    holds (its frozen base, each adapted layer's kept merged weight), so nothing is copied at a sync; after an
+    update the merge is formed again into the same tensors, and the engine samples from the adapted policy."""
+    worker, engine = lora_worker, lora_worker.rollout.engine
+    assert not engine.owns_weights
+    kept = [kept_merged_weight(m) for m in worker.actor.modules() if is_fused(m)]
+    held = {t.data_ptr() for t in (*worker.actor.parameters(), *kept)}
+    addresses = {name: t.data_ptr() for name, t in engine.model.state_dict().items()}
+    assert kept and all(address in held for address in addresses.values())
+    _train_once(worker)
+    worker.sync_weights()
+    served = engine.model.state_dict()
+    assert {name: t.data_ptr() for name, t in served.items()} == addresses  # written in place
+    merged = served_state_dict(worker.actor)
+    assert all(torch.equal(served[name], merged[name]) for name in merged)
+    sampled, scored = _sample_and_score(worker, worker.actor)
+    assert torch.allclose(sampled, scored, atol=1e-4)
 
 
 def test_sync_raises_when_the_engine_does_not_serve_what_was_pushed(worker, monkeypatch):

@@ -35,3 +35,29 @@ def test_served_weight_is_the_base_plus_the_scaled_adapter_product_and_leaves_th
     assert torch.allclose(served[f"{layer}.weight"], expected, atol=1e-6)
     assert (served[f"{layer}.weight"] - base).abs().max() > 0.1
     assert torch.equal(adapted.base_layer.weight, base)  # merged into a copy, never into the trainer's base
+
+
+def _state_dict_names(model) -> dict[str, torch.Tensor]:
+    """The served names as `state_dict()` gives them: adapter tensors left out, `.base_layer.` dropped."""
+    return {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if "lora_" not in k}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+def test_served_weights_have_the_state_dicts_names_order_and_tensors(lora):
+    """The served walk skips peft's adapter modules but serves what `state_dict()` holds: every name in its
+    order (a tied embedding under both names), the same tensors where nothing merges into them."""
+    from agentrl.models import load_causal_lm
+
+    model = load_causal_lm("tiny:qwen2")
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "down_proj"]))
+    base = model.get_base_model() if lora else model
+    expected = _state_dict_names(base)
+    served = served_state_dict(model)
+    assert list(served) == list(expected) and "lm_head.weight" in served
+    for name, tensor in served.items():
+        merges = lora and name.endswith(("q_proj.weight", "down_proj.weight"))
+        assert merges or tensor.data_ptr() == expected[name].data_ptr(), name
+        assert torch.equal(tensor, expected[name]), name  # B starts at zero: the merge adds nothing yet
