@@ -322,7 +322,7 @@ def summarise(runs: list[dict]) -> dict:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -352,7 +352,11 @@ def main() -> None:
     parser.add_argument("--extra", nargs="*", default=[], help="more agentrl overrides (key=value)")
     parser.add_argument("--trainers", nargs="+", choices=["agentrl", "trl"], default=["agentrl", "trl"])
     parser.add_argument("--only", choices=["agentrl", "trl"], help="internal: run one trainer, print JSON")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.only:
         result = run_agentrl(args) if args.only == "agentrl" else run_trl(args)
         print("RESULT " + json.dumps(result), flush=True)
