@@ -10,6 +10,7 @@ its shards as it is reached, so no rank ever holds the whole state dict at once.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,8 @@ import torch
 from agentrl.training.lora import is_lora_model
 from agentrl.training.lora_fused import kept_merged_weight
 from agentrl.training.parallel.fsdp import full_tensor
+
+log = logging.getLogger(__name__)
 
 
 def _active(module: torch.nn.Module) -> list[str]:
@@ -94,13 +97,36 @@ def shared_serving_model(model: torch.nn.Module, dtype: torch.dtype | None = Non
     held = {t.data_ptr() for t in (*base.parameters(), *(k for k in kept if k is not None))}
     if any(t.data_ptr() not in held for t in served.values()):
         return None
+    try:
+        return _plain_model_over(base, served)
+    except Exception as error:  # a model class that cannot be built this way serves a copy, as before
+        log.warning(
+            "the engine keeps its own copy of the weights: %s cannot serve the actor's tensors (%s: %s)",
+            type(base).__name__,
+            type(error).__name__,
+            error,
+        )
+        return None
+
+
+def _plain_model_over(base: torch.nn.Module, served: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """`type(base)` built on the meta device, then given `served` (by assignment, no copy) and base's
+    non-persistent buffers and tensor attributes (rotary frequencies); raises if any tensor stays on meta."""
     with torch.device("meta"):
         plain = type(base)(base.config)
     plain.load_state_dict(served, assign=True, strict=True)
-    buffers = {name.replace(".base_layer.", "."): b for name, b in base.named_buffers()}
-    for name, _ in list(plain.named_buffers()):  # the non-persistent ones (rotary frequencies) are not served
-        owner, _, leaf = name.rpartition(".")
-        plain.get_submodule(owner)._buffers[leaf] = buffers[name]
+    modules = {name.replace(".base_layer", ""): m for name, m in base.named_modules()}
+    for name, module in plain.named_modules():
+        for attr, value in list(vars(module).items()) + list(module._buffers.items()):
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                source = getattr(modules[name], attr)
+                if attr in module._buffers:
+                    module._buffers[attr] = source
+                else:
+                    setattr(module, attr, source)
+    left = [n for n, t in (*plain.named_parameters(), *plain.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"no tensor of the actor for {left[:3]}")
     plain.requires_grad_(False)
     if getattr(base, "generation_config", None) is not None:
         plain.generation_config = base.generation_config

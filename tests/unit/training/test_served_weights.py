@@ -61,3 +61,29 @@ def test_served_weights_have_the_state_dicts_names_order_and_tensors(lora):
         merges = lora and name.endswith(("q_proj.weight", "down_proj.weight"))
         assert merges or tensor.data_ptr() == expected[name].data_ptr(), name
         assert torch.equal(tensor, expected[name]), name  # B starts at zero: the merge adds nothing yet
+
+
+def test_a_shared_serving_model_holds_the_actors_tensors_or_falls_back_to_a_copy(caplog):
+    """A plain model over the LoRA actor's tensors (the frozen base, each kept merged weight): nothing on the meta
+    device, every tensor one the actor holds. An actor the class cannot take (a parameter it does not define)
+    gets None and a warning naming why: the engine then keeps a copy of its own."""
+    from agentrl.models import load_causal_lm
+    from agentrl.training.lora import apply_lora
+    from agentrl.training.lora_fused import is_fused, kept_merged_weight
+    from agentrl.training.parallel.served_weights import shared_serving_model
+
+    actor = apply_lora(load_causal_lm("tiny:qwen2"), rank=2, alpha=4, target_modules="all-linear")
+    plain = shared_serving_model(actor)
+    held = {t.data_ptr() for t in actor.parameters()}
+    held |= {kept_merged_weight(m).data_ptr() for m in actor.modules() if is_fused(m)}
+    tensors = [*plain.parameters(), *plain.buffers()]
+    assert not any(t.is_meta for t in tensors) and not any(t.requires_grad for t in plain.parameters())
+    assert all(p.data_ptr() in held for p in plain.parameters())
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.allclose(plain(input_ids=ids).logits, actor(input_ids=ids).logits, atol=1e-5)
+
+    actor.get_base_model().model.register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))
+    with caplog.at_level("WARNING"):
+        assert shared_serving_model(actor) is None
+    assert "keeps its own copy" in caplog.text and "extra" in caplog.text
