@@ -285,7 +285,12 @@ class Controller:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        """Train until `total_steps`; returns the last step's metrics (with the final validation)."""
+        """Train until `total_steps`; returns the last step's metrics (with the final validation). What setup
+        built stays out of the garbage collector's full collections meanwhile (`heap.py`)."""
+        with setup_objects_frozen():
+            return self._train_steps()
+
+    def _train_steps(self) -> dict[str, float]:
         cfg = self.config.trainer
         metrics: dict[str, float] = {}
         if cfg.val_before_train and self.global_step == 0 and self.val_tasks:
@@ -299,60 +304,57 @@ class Controller:
         calls_before = [server.requests for server in servers]
         turns = self.stack.backend.session_turns
         continued, fallbacks = turns.counts("train")
-        with setup_objects_frozen():  # no full collection walks the models each step (heap.py)
-            for step in range(self.global_step + 1, self.total_steps + 1):
-                timing: dict[str, float] = {}
-                with _timer(timing, "step"):
-                    with _timer(timing, "gen"):
-                        episodes, kept = self.next_training_episodes(step)
-                    # Asynchronous: the engine and the gateway worked on this batch while earlier steps trained, so
-                    # their counters are read from one batch's end to the next.
-                    busy_after = self.policy.call("engine_counters")
-                    timing.update(_engine_timing(busy_before, busy_after))
-                    busy_before = busy_after
-                    calls_after = [server.requests for server in servers]
-                    healthy = sum(server.healthy for server in servers)
-                    timing.update(compute_routing_metrics(calls_before, calls_after, healthy))
-                    calls_before = calls_after
-                    continued_now, fallbacks_now = turns.counts(
-                        "train"
-                    )  # validation's turns are not the step's
-                    timing["gateway/continued_turns"] = continued_now - continued
-                    timing["gateway/continuation_fallbacks"] = fallbacks_now - fallbacks
-                    continued, fallbacks = continued_now, fallbacks_now
-                    metrics = {
-                        "training/global_step": step,
-                        "training/epoch": self.loader.epoch,
-                        **compute_episode_metrics(episodes),
-                        **staleness_metrics(kept, self.served_version),
-                    }
-                    batch = self.assemble(kept, metrics)
-                    if batch is not None:
-                        metrics.update(self.update(batch, timing))
-                        write_step_advantages(kept, batch)
-                        if warning := collapse_warning(metrics, self.vocab_size, step):
-                            log.warning(warning)
-                    with _timer(timing, "save_rollouts"):
-                        self.rollout_log.write(step, episodes)
-                self.global_step = step
-                tokens = metrics.get("response_length/mean", 0.0) * metrics.get("batch/rows", 0.0)
-                metrics.update(timing, **{"perf/throughput": tokens / max(timing["timing/step"], 1e-9)})
-                if (
-                    cfg.test_freq > 0
-                    and (step % cfg.test_freq == 0 or step == self.total_steps)
-                    and self.val_tasks
-                ):
-                    metrics.update(self.validate())
-                self.tracker.log(metrics, step=step)
-                bar.update(1)
-                set_progress_postfix(
-                    bar,
-                    step=step,
-                    reward=metrics.get("critic/full-score/mean"),
-                    throughput=metrics.get("perf/throughput"),
-                )
-                if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or step == self.total_steps:
-                    self.save_checkpoint()
+        for step in range(self.global_step + 1, self.total_steps + 1):
+            timing: dict[str, float] = {}
+            with _timer(timing, "step"):
+                with _timer(timing, "gen"):
+                    episodes, kept = self.next_training_episodes(step)
+                # Asynchronous: the engine and the gateway worked on this batch while earlier steps trained, so
+                # their counters are read from one batch's end to the next.
+                busy_after = self.policy.call("engine_counters")
+                timing.update(_engine_timing(busy_before, busy_after))
+                busy_before = busy_after
+                calls_after = [server.requests for server in servers]
+                healthy = sum(server.healthy for server in servers)
+                timing.update(compute_routing_metrics(calls_before, calls_after, healthy))
+                calls_before = calls_after
+                continued_now, fallbacks_now = turns.counts("train")  # validation's turns are not the step's
+                timing["gateway/continued_turns"] = continued_now - continued
+                timing["gateway/continuation_fallbacks"] = fallbacks_now - fallbacks
+                continued, fallbacks = continued_now, fallbacks_now
+                metrics = {
+                    "training/global_step": step,
+                    "training/epoch": self.loader.epoch,
+                    **compute_episode_metrics(episodes),
+                    **staleness_metrics(kept, self.served_version),
+                }
+                batch = self.assemble(kept, metrics)
+                if batch is not None:
+                    metrics.update(self.update(batch, timing))
+                    write_step_advantages(kept, batch)
+                    if warning := collapse_warning(metrics, self.vocab_size, step):
+                        log.warning(warning)
+                with _timer(timing, "save_rollouts"):
+                    self.rollout_log.write(step, episodes)
+            self.global_step = step
+            tokens = metrics.get("response_length/mean", 0.0) * metrics.get("batch/rows", 0.0)
+            metrics.update(timing, **{"perf/throughput": tokens / max(timing["timing/step"], 1e-9)})
+            if (
+                cfg.test_freq > 0
+                and (step % cfg.test_freq == 0 or step == self.total_steps)
+                and self.val_tasks
+            ):
+                metrics.update(self.validate())
+            self.tracker.log(metrics, step=step)
+            bar.update(1)
+            set_progress_postfix(
+                bar,
+                step=step,
+                reward=metrics.get("critic/full-score/mean"),
+                throughput=metrics.get("perf/throughput"),
+            )
+            if (cfg.save_freq > 0 and step % cfg.save_freq == 0) or step == self.total_steps:
+                self.save_checkpoint()
         bar.close()
         if self.pipeline is not None:
             self.pipeline.close()

@@ -222,7 +222,7 @@ def _kept(layer: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
             trains,
         ):
             merged = kept.merged  # in place: an engine serving it sees the change
-            merged.copy_(torch.addmm(weight.float(), lora_b.float(), lora_a.float(), alpha=scaling))
+            merged.copy_(merged_weight(weight, lora_a, lora_b, scaling, torch.float32))
         else:
             layer.__dict__["_merged_weight"] = None  # the old one is freed before the new one is formed
             merged = merged_weight(weight, lora_a, lora_b, scaling, dtype)

@@ -94,7 +94,7 @@ def shared_serving_model(model: torch.nn.Module, dtype: torch.dtype | None = Non
     served = dict(iter_served_weights(model, dtype))
     lora = _lora_layer_class()
     kept = (kept_merged_weight(m, dtype) for m in base.modules() if isinstance(m, lora) and _active(m))
-    held = {t.data_ptr() for t in (*base.parameters(), *(k for k in kept if k is not None))}
+    held = {t.data_ptr() for t in (*base.parameters(), *base.buffers(), *(k for k in kept if k is not None))}
     if any(t.data_ptr() not in held for t in served.values()):
         return None
     try:
