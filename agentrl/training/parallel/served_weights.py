@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from agentrl.training.lora import is_lora_model
-from agentrl.training.lora_fused import kept_merged_weight
+from agentrl.training.lora_fused import kept_merged_weight, merged_weight
 from agentrl.training.parallel.fsdp import full_tensor
 
 log = logging.getLogger(__name__)
@@ -28,11 +28,17 @@ def _active(module: torch.nn.Module) -> list[str]:
 
 
 def _merged_weight(module: torch.nn.Module, base: torch.Tensor) -> torch.Tensor:
-    """W + sum of s B A over the active adapters, in float32 (one `addmm` each: no separate product, scale and add)."""
+    """W + s B A over the active adapters. One adapter (what the fused forward runs): `lora_fused.merged_weight`
+    in the base's dtype, the tensor the trainer's forward forms from the same adapters (kept or, under FSDP,
+    per call). Several, or fan-in-fan-out layers (peft's own forward): in float32, one `addmm` each."""
+    adapters = _active(module)
+    full = [(full_tensor(module.lora_A[a].weight), full_tensor(module.lora_B[a].weight), a) for a in adapters]
+    if len(full) == 1 and not module.fan_in_fan_out:
+        lora_a, lora_b, adapter = full[0]
+        return merged_weight(base, lora_a.to(base.device), lora_b.to(base.device), module.scaling[adapter])
     merged = base.to(torch.float32, copy=True)  # never the base itself: the merge adds in place
-    for adapter in _active(module):
-        a = full_tensor(module.lora_A[adapter].weight).float().to(base.device)
-        b = full_tensor(module.lora_B[adapter].weight).float().to(base.device)
+    for lora_a, lora_b, adapter in full:
+        a, b = lora_a.float().to(base.device), lora_b.float().to(base.device)
         if module.fan_in_fan_out:
             merged.addmm_(a.t(), b.t(), alpha=module.scaling[adapter])
         else:

@@ -30,7 +30,13 @@ from agentrl.models.attention_kernels import skip_cudnn_attention
 from agentrl.models.compile_cache import use_compile_cache
 from agentrl.models.vision import apply_vision_tower_setting
 from agentrl.training.flops import device_peak_flops, mfu
-from agentrl.training.lora import adapters_disabled, adapters_in_base_dtype, apply_lora, is_lora_model
+from agentrl.training.lora import (
+    adapters_disabled,
+    adapters_in_base_dtype,
+    apply_lora,
+    is_lora_model,
+    low_precision_base_dtype,
+)
 from agentrl.training.optim import build_lr_scheduler, build_optimizer
 from agentrl.training.parallel.distributed import all_reduce_sum, world_size
 from agentrl.training.parallel.fsdp import compute_device, shard_model
@@ -105,6 +111,7 @@ class PolicyWorker:
         self.tokenizer = load_tokenizer(arr.model.tokenizer_path or self.model_path)
         self.actor = self._load_policy(trainable=True, offload=arr.actor.fsdp_config.param_offload)
         self.autocast_dtype = self._autocast_dtype()
+        self.lora_base_dtype = low_precision_base_dtype(self.actor)
         if not self.sharded and not is_lora_model(self.actor):
             _warn_if_steps_round_away(self.actor, arr.actor.optim.lr, arr.model.dtype)
         self.needs_ref = arr.actor.use_kl_loss or config.algorithm.use_kl_in_reward
@@ -319,7 +326,8 @@ class PolicyWorker:
         from (old, reference and current policy alike, as verl's actor divides by the rollout temperature)."""
         compile_head = self.config.actor_rollout_ref.actor.use_torch_compile and self.device.type == "cuda"
         temperature = self.config.actor_rollout_ref.rollout.temperature
-        with adapters_in_base_dtype(model), self._in_compute_dtype():
+        lora_dtype = self.lora_base_dtype if model is self.actor else None  # the reference is never LoRA
+        with adapters_in_base_dtype(model, lora_dtype), self._in_compute_dtype():
             return compute_log_probs(
                 model, batch, compile_head=compile_head, temperature=temperature, **kwargs
             )

@@ -157,7 +157,7 @@ def test_layers_on_peft_forward_compute_in_the_base_dtype_under_adapters_in_base
         model(input_ids=IDS)
     assert set(seen) == {torch.float32}  # peft's own path: every adapter input copied to float32
     seen.clear()
-    with adapters_in_base_dtype(model):
+    with adapters_in_base_dtype(model, low_precision_base_dtype(model)):
         _, grads = _logits_and_grads(model, IDS)
     assert set(seen) == {torch.bfloat16} and len(seen) == 7 * model.config.num_hidden_layers
     assert grads and all(g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads.values())
@@ -186,14 +186,31 @@ def test_a_kept_merged_weight_is_formed_again_after_each_optimizer_step(fused_op
     logits, grads = _logits_and_grads(model, IDS)
     name = layer.active_adapters[0]
     expected = merged_weight(
-        layer.base_layer.weight, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name],
-        torch.float32,
-    )  # fmt: skip
+        layer.base_layer.weight, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name]
+    )
     assert torch.equal(kept_merged_weight(layer), expected) and not torch.equal(before, expected)
     peft_logits, peft_grads = _logits_and_grads(_with_peft_forward(model), IDS)
     assert torch.allclose(logits, peft_logits, atol=1e-5)
     for key, grad in grads.items():
         assert torch.allclose(grad, peft_grads[key], atol=1e-5, rtol=1e-4), key
+
+
+def test_after_an_optimizer_step_the_first_kept_weight_asked_for_forms_every_layers_again_in_place():
+    """One call after an optimizer step forms every kept merged weight of the model again, each into its own
+    tensor (what an engine serving them reads), in `merged_weight`'s formula from the new adapters."""
+    model = _lora_model("bfloat16")
+    _logits_and_grads(model, IDS)
+    layers = [m for m in model.modules() if is_fused(m)]
+    held = [kept_merged_weight(m) for m in layers]
+    before = [t.clone() for t in held]
+    torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05).step()
+    assert kept_merged_weight(layers[-1]).data_ptr() == held[-1].data_ptr()
+    for layer, tensor, old in zip(layers, held, before, strict=True):  # no other layer was asked for
+        name = layer.active_adapters[0]
+        expected = merged_weight(
+            layer.base_layer.weight, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name]
+        )
+        assert torch.equal(tensor, expected) and not torch.equal(tensor, old)
 
 
 def test_kept_merged_weights_are_the_served_weights_and_match_the_per_call_merge():
