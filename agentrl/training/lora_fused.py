@@ -21,8 +21,8 @@ and 7B shapes thin for the MLP and the square projections, merged for the narrow
 Like full fine-tuning's bf16 compute from float32 weights, the merged forward sees an adapter change once it
 moves W' by half a bf16 step; gradients reach A and B exactly.
 A layer of a model that is not sharded *keeps* its merged weight (`fuse_lora_layers(keep_merged=True)`): W' is
-formed once per change of W, A or B (an optimizer step, their version counters), in float32 and rounded once to
-the compute dtype, the formula of the weights the engine serves, so the sync sends that very tensor
+formed once per change of W, A or B (an optimizer step, their version counters; all layers at once, in place),
+by `merged_weight`'s formula (the one the engine is served under every path), so the sync sends that very tensor
 (`kept_merged_weight`) and the trainer's forward runs on exactly the weights the engine sampled from. The
 forward is then full fine-tuning's `F.linear` on a leaf W' (autograd's C++ backward forms dW' = dy^T x), and a
 hook on W' turns each dW' into the adapters' gradients. Per optimizer step that is one merge per layer instead of one in every forward, recompute
