@@ -378,7 +378,17 @@ class Controller:
                 run_ahead.staleness_threshold,
             )
         self._requested_through = self.global_step
-        return RolloutPipeline(self.collect_training_episodes, partial_rollout=run_ahead.partial_rollout)
+        return RolloutPipeline(
+            self.collect_training_episodes_async,
+            self.runner.get_loop(),
+            partial_rollout=run_ahead.partial_rollout,
+        )
+
+    def _run(self, coroutine):
+        """Run `coroutine` on the run's event loop: through the pipeline while its thread drives the loop."""
+        if self.pipeline is not None:
+            return self.pipeline.run(coroutine)
+        return self.runner.run(coroutine)
 
     def is_boundary(self, step: int) -> bool:
         """A step after which the loop checkpoints or validates: no rollout may be in flight past it."""
@@ -388,21 +398,21 @@ class Controller:
         return saves or validates
 
     def next_training_episodes(self, step: int) -> tuple[list[Episode], list[Episode]]:
-        """This step's episodes: collected now, or taken from the pipeline, which is then asked for the batches
-        of the next steps (up to `staleness_threshold` ahead, not past a checkpoint or validation step), so they
-        are collected while this step trains."""
+        """This step's episodes: collected now, or taken from the pipeline. Before taking, the pipeline is asked
+        for the batches of the next steps (up to `staleness_threshold` ahead, not past a checkpoint or
+        validation step): the weights this step trains are served already, so they may start at once, while
+        this step's last episodes finish and while it trains."""
         if self.pipeline is None:
             return self.collect_training_episodes()
         if self._requested_through < step:
             self.pipeline.request()
             self._requested_through = step
-        batch = self.pipeline.take()
         staleness = self.config.async_training.staleness_threshold
         for ahead in steps_to_request(step, self.total_steps, staleness, self.is_boundary):
             if ahead > self._requested_through:
                 self.pipeline.request()
                 self._requested_through = ahead
-        return batch
+        return self.pipeline.take()
 
     def update(self, batch: TrainBatch, timing: dict[str, float]) -> dict[str, float]:
         """Log-probs, values, advantages, critic and actor updates, weight sync; returns their metrics."""
@@ -483,11 +493,11 @@ class Controller:
     def next_tasks(self, prefix: str = "train") -> list[Task]:
         return rows_to_tasks(next(self.loader), prefix)
 
-    def run_episodes(self, tasks: list[Task], n: int, mode: str, desc: str) -> list[Episode]:
+    async def run_episodes(self, tasks: list[Task], n: int, mode: str, desc: str) -> list[Episode]:
         """Collect `n` rollouts per task and score them; failed rollouts are kept, unscored."""
         bar = progress_bar(desc, len(tasks) * n)
-        episodes = self.runner.run(
-            self.collector.collect(self.flow, tasks, n, mode=mode, on_episode=lambda _e: bar.update(1))
+        episodes = await self.collector.collect(
+            self.flow, tasks, n, mode=mode, on_episode=lambda _e: bar.update(1)
         )
         bar.close()
         by_id = {t.id: t for t in tasks}
@@ -499,6 +509,10 @@ class Controller:
         return episodes
 
     def collect_training_episodes(self) -> tuple[list[Episode], list[Episode]]:
+        """All episodes of this step, and those kept for training (`collect_training_episodes_async`)."""
+        return self._run(self.collect_training_episodes_async())
+
+    async def collect_training_episodes_async(self) -> tuple[list[Episode], list[Episode]]:
         """All episodes of this step, and those kept for training.
 
         With rejection sampling, rounds of new tasks are drawn until data.train_batch_size tasks survive the
@@ -512,7 +526,7 @@ class Controller:
         for round_index in range(max(1, rounds)):
             # Each refill round gets its own id prefix: position-based ids must not merge different prompts.
             prefix = "train" if round_index == 0 else f"train.r{round_index}"
-            episodes = self.run_episodes(self.next_tasks(prefix), self.n, "train", "rollout")
+            episodes = await self.run_episodes(self.next_tasks(prefix), self.n, "train", "rollout")
             all_episodes += episodes
             kept += self.filter_episodes(episodes)
             if len({e.task_id for e in kept}) >= self.config.data.train_batch_size:
@@ -579,7 +593,8 @@ class Controller:
         size = self.config.data.val_batch_size or len(self.val_tasks)
         episodes = []
         for start in range(0, len(self.val_tasks), size):
-            episodes += self.run_episodes(self.val_tasks[start : start + size], val.n, "val", "validate")
+            tasks = self.val_tasks[start : start + size]
+            episodes += self._run(self.run_episodes(tasks, val.n, "val", "validate"))
         if self.rollout_log is not None:
             self.rollout_log.write(self.global_step, episodes, split="val")
         return compute_validation_metrics(episodes)

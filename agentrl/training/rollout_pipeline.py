@@ -1,11 +1,14 @@
-"""Rollouts collected ahead of training, in a background thread: the asynchronous loop's producer.
+"""Rollouts collected ahead of training, on the run's event loop in a background thread: the asynchronous
+loop's producer.
 
-With `async_training.enable` and `staleness_threshold` N > 0, the episodes of step k+1..k+N are collected while
-step k trains, one batch after another in one thread, and the trainer takes them in order. A batch is asked for
-at most N steps ahead, so its tokens were sampled by weights at most N versions older than those it trains
-(the bound every token's `policy_version` is checked against). After an update the new weights go to the engines
-at once (`partial_rollout=true`: an episode in flight goes on with them, between two decode steps) or when the
-batch being collected ends (`partial_rollout=false`: no batch mixes two versions; the push waits for it).
+With `async_training.enable` and `staleness_threshold` N > 0, the batch of step k+N may be asked for as soon as
+step k starts (the weights of step k-1 are then served), so its tokens were sampled by weights at most N versions
+older than those it trains (the bound every token's `policy_version` is checked against). With
+`partial_rollout=true` the batches asked for are collected at once, as tasks of one event loop: the slowest
+episodes of one batch (an agent waiting on a slow tool) overlap the first episodes of the next, and new weights
+go to the engines at once after an update (an episode in flight goes on with them, between two decode steps).
+With `partial_rollout=false` batches are collected one after another and a weight push waits for the batch in
+collection to end, so no batch mixes two versions.
 
 Nothing is asked for past the next checkpoint or validation step, so the pipeline is empty there: a checkpoint
 holds exactly the batches trained, and the dataloader and collector state it saves are those of the last step.
@@ -13,28 +16,32 @@ holds exactly the batches trained, and the dataloader and collector state it sav
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import threading
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Generic, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 
 class RolloutPipeline(Generic[T]):
-    """Runs `collect()` once per `request()`, in order, in one background thread; `take()` returns the results
-    in the same order."""
+    """Runs `collect()` once per `request()` on `loop`, which a background thread drives while the pipeline is
+    open; `take()` returns the results in request order. Collections start in request order (so each batch's
+    first tasks are drawn in order); `run` is how other coroutines reach the loop meanwhile."""
 
-    def __init__(self, collect: Callable[[], T], *, partial_rollout: bool) -> None:
+    def __init__(
+        self, collect: Callable[[], Awaitable[T]], loop: asyncio.AbstractEventLoop, *, partial_rollout: bool
+    ) -> None:
         self._collect = collect
+        self._loop = loop
         self.partial_rollout = partial_rollout
-        self._pending: deque[Future[T]] = deque()
-        self._queue: deque[Future[T]] = deque()
-        self._cond = threading.Condition()
-        self._batch_lock = threading.Lock()  # held while a batch is collected
+        self._pending: deque[concurrent.futures.Future[T]] = deque()
+        self._batch_lock = threading.Lock()  # held while a batch is collected (without partial rollouts)
+        self._one_at_a_time: asyncio.Lock | None = None  # made on the loop
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="rollout-pipeline", daemon=True)
+        self._thread = threading.Thread(target=loop.run_forever, name="rollout-pipeline", daemon=True)
         self._thread.start()
 
     @property
@@ -43,21 +50,20 @@ class RolloutPipeline(Generic[T]):
         return len(self._pending)
 
     def request(self) -> None:
-        """Ask for one more batch (collected after those asked for before)."""
-        future: Future[T] = Future()
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the rollout pipeline is closed")
-            self._pending.append(future)
-            self._queue.append(future)
-            self._cond.notify()
+        """Ask for one more batch: it starts now (partial rollouts) or after those asked for before."""
+        if self._closed:
+            raise RuntimeError("the rollout pipeline is closed")
+        self._pending.append(asyncio.run_coroutine_threadsafe(self._collect_one(), self._loop))
 
     def take(self) -> T:
         """The oldest batch asked for, waiting until it is collected; its collection error is raised here."""
         if not self._pending:
             raise RuntimeError("take() with no batch asked for")
-        future = self._pending.popleft()
-        return future.result()
+        return self._pending.popleft().result()
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run `coroutine` on the pipeline's loop (beside any batch in collection) and return its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def push_weights(self, push: Callable[[], T]) -> T:
         """Run `push` (the weight sync): at once with partial rollouts, else once the batch in collection ends."""
@@ -67,39 +73,31 @@ class RolloutPipeline(Generic[T]):
             return push()
 
     def close(self, wait_s: float = 30.0) -> None:
-        """Cancel the batches not started and wait up to `wait_s` for the one in collection (after a failure
-        the rollout servers stop next, which ends it)."""
-        with self._cond:
-            self._closed = True
-            for future in self._queue:
-                future.cancel()
-            self._queue.clear()
-            self._cond.notify()
-        self._thread.join(timeout=wait_s)
+        """Cancel the batches not taken, wait up to `wait_s` for them to stop, and hand the loop back (the
+        thread stops driving it)."""
+        self._closed = True
+        for future in self._pending:
+            future.cancel()
+        concurrent.futures.wait(self._pending, timeout=wait_s)
+        self._pending.clear()
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=wait_s)
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                future = self._queue.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                with self._batch_lock:
-                    result = self._collect()
-            except BaseException as error:  # reaches the trainer through take()
-                future.set_exception(error)
-            else:
-                future.set_result(result)
+    async def _collect_one(self) -> T:
+        if self.partial_rollout:
+            return await self._collect()
+        if self._one_at_a_time is None:
+            self._one_at_a_time = asyncio.Lock()
+        async with self._one_at_a_time:  # FIFO: batches in request order
+            with self._batch_lock:  # blocks the loop only while a push runs: no other batch is collected then
+                return await self._collect()
 
 
 def steps_to_request(
     step: int, total_steps: int, staleness: int, boundaries: Callable[[int], bool]
 ) -> list[int]:
-    """The steps whose batches may be asked for while step `step` trains: up to `staleness` ahead, never past the
+    """The steps whose batches may be asked for once step `step` starts: up to `staleness` ahead, never past the
     first boundary step (a checkpoint or validation) at or after `step`."""
     last = min(total_steps, step + staleness)
     for candidate in range(step, last):

@@ -1,5 +1,6 @@
 """The asynchronous loop's producer: batches in order, never past a boundary, weight pushes between batches."""
 
+import asyncio
 import threading
 import time
 
@@ -19,16 +20,22 @@ def test_requests_reach_the_staleness_bound_but_stop_at_a_boundary():
     assert steps_to_request(5, 10, 0, never) == []
 
 
+def _pipeline(collect, *, partial_rollout: bool) -> tuple[RolloutPipeline, asyncio.Runner]:
+    runner = asyncio.Runner()
+    return RolloutPipeline(collect, runner.get_loop(), partial_rollout=partial_rollout), runner
+
+
 def test_batches_come_back_in_order_and_errors_reach_take():
     counter = iter(range(100))
 
-    def collect():
+    async def collect():
         value = next(counter)
+        await asyncio.sleep(0.05 * (4 - value))  # later batches finish first
         if value == 2:
             raise ValueError("rollout failed")
         return value
 
-    pipeline = RolloutPipeline(collect, partial_rollout=True)
+    pipeline, runner = _pipeline(collect, partial_rollout=True)
     for _ in range(4):
         pipeline.request()
     assert [pipeline.take(), pipeline.take()] == [0, 1]
@@ -36,17 +43,62 @@ def test_batches_come_back_in_order_and_errors_reach_take():
         pipeline.take()
     assert pipeline.take() == 3 and pipeline.scheduled == 0
     pipeline.close()
+    runner.close()
+
+
+@pytest.mark.parametrize("partial_rollout", [True, False])
+def test_with_partial_rollouts_a_batch_starts_while_the_one_before_is_still_collected(partial_rollout):
+    """The slow end of one batch overlaps the next: batch 1 is collected whole while batch 0 still waits (on a
+    slow tool, say); without partial rollouts batch 1 starts only after batch 0 ends."""
+    release, events, index = threading.Event(), [], iter(range(2))
+
+    async def collect():
+        i = next(index)
+        events.append(f"start {i}")
+        while i == 0 and not release.is_set():
+            await asyncio.sleep(0.01)
+        events.append(f"end {i}")
+        return i
+
+    pipeline, runner = _pipeline(collect, partial_rollout=partial_rollout)
+    pipeline.request()
+    pipeline.request()
+    time.sleep(0.3)
+    release.set()
+    assert [pipeline.take(), pipeline.take()] == [0, 1]
+    overlapped = ["start 0", "start 1", "end 1", "end 0"]
+    assert events == (overlapped if partial_rollout else ["start 0", "end 0", "start 1", "end 1"])
+    pipeline.close()
+    runner.close()
+
+
+def test_other_coroutines_reach_the_loop_through_the_pipeline_and_the_runner_gets_it_back_at_close():
+    async def collect():
+        await asyncio.sleep(0.2)
+        return "batch"
+
+    async def loop_id():
+        return id(asyncio.get_running_loop())
+
+    pipeline, runner = _pipeline(collect, partial_rollout=True)
+    pipeline.request()
+    assert pipeline.run(loop_id()) == id(runner.get_loop())  # beside the batch in collection
+    assert pipeline.take() == "batch"
+    pipeline.close()
+    assert runner.run(loop_id()) == id(runner.get_loop())
+    runner.close()
 
 
 def test_without_partial_rollouts_a_weight_push_waits_for_the_batch_in_collection():
     started, release = threading.Event(), threading.Event()
 
-    def collect():
+    async def collect():
         started.set()
-        release.wait(5)
+        while not release.is_set():
+            await asyncio.sleep(0.01)
         return "batch"
 
-    pipeline = RolloutPipeline(collect, partial_rollout=False)
+    pipeline, runner = _pipeline(collect, partial_rollout=False)
     pipeline.request()
     started.wait(5)
     pushed_at = []
@@ -60,3 +112,4 @@ def test_without_partial_rollouts_a_weight_push_waits_for_the_batch_in_collectio
     assert pushed_at and pushed_at[0] >= released_at
     assert pipeline.take() == "batch"
     pipeline.close()
+    runner.close()
