@@ -19,8 +19,9 @@ where the session id is the collector's (`train<round>-<task>.<sample>.a<attempt
 No validation, no rollout files, console logging only; the run folder is a temporary folder.
 
 Per config it prints one markdown row, from the run's metrics history, as medians over the steps after the
-first (the first step includes warm-up and compilation): step time, episodes/s (`tasks x episodes / step`),
-generation (`timing/gen`), the actor update (`timing/update_actor`), training rows and merged steps
+first (the first step includes warm-up and compilation): step time, its mean, episodes/s (`tasks x episodes`
+over the mean step: asynchronous steps come in bursts, a step that waits for a new batch between steps whose
+batch was ready, so the median alone would overstate the throughput), generation (`timing/gen`), the actor update (`timing/update_actor`), training rows and merged steps
 (`batch/rows`, `batch/merged_steps`); when the run reports them ("n/a" when it does not): the prompt tokens the
 engine received and the tokens its prefill computed (`perf/prompt_tokens`, `perf/prefill_tokens`, else
 `perf/engine_prompt_tokens`, `perf/engine_prefill_tokens`), `perf/prefix_cache_hit_rate`,
@@ -286,12 +287,13 @@ def summarise(history: list[dict], args: argparse.Namespace, name: str, override
         raise RuntimeError(
             f"{name}: steps {untrained} trained nothing; the 'rollout ... failed' warnings say why"
         )
-    step_s = _median(measured, "timing/step")
+    mean_step_s = statistics.fmean(r["timing/step"] for r in measured)
     row = {
         "config": name,
         "overrides": overrides,
-        "step_s": step_s,
-        "episodes_per_s": args.tasks * args.episodes / step_s,
+        "step_s": _median(measured, "timing/step"),
+        "mean_step_s": mean_step_s,
+        "episodes_per_s": args.tasks * args.episodes / mean_step_s,
         "gen_s": _median(measured, "timing/gen"),
         "update_s": _median(measured, "timing/update_actor"),
         "rows": _median(measured, "batch/rows"),
@@ -364,6 +366,7 @@ def _fmt(value, digits: int = 2) -> str:
 COLUMNS = [
     ("config", "config", 0),
     ("step s", "step_s", 2),
+    ("mean step s", "mean_step_s", 2),
     ("episodes/s", "episodes_per_s", 1),
     ("gen s", "gen_s", 2),
     ("update s", "update_s", 2),

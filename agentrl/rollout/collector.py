@@ -84,6 +84,8 @@ class RolloutCollector:
         self.in_process = in_process
         self.limits = limits
         self._rounds = 0
+        self._gates: dict[int, asyncio.Semaphore] = {}
+        self._gates_loop: asyncio.AbstractEventLoop | None = None
         install_fast_transform()
         prime_platform()
 
@@ -103,7 +105,7 @@ class RolloutCollector:
         (`agent.group_calls`, n up to the gateway's `max_n`); a group takes n of the parallel slots."""
         run_group = group_runner(flow) if self.limits.group_calls and 1 < n <= self.limits.max_n else None
         slots = self.limits.n_parallel_tasks // n if run_group is not None else self.limits.n_parallel_tasks
-        gate = asyncio.Semaphore(max(1, slots))
+        gate = self._gate(max(1, slots))
         round_id = self._rounds
         self._rounds += 1
 
@@ -152,6 +154,17 @@ class RolloutCollector:
             if episode.termination_reason in _COUNTED:
                 record_failure(_COUNTED[episode.termination_reason], episode.error)
         return episodes
+
+    def _gate(self, slots: int) -> asyncio.Semaphore:
+        """The limit on rollouts in flight, shared by the collections running at once on this loop (the
+        asynchronous loop's batches): the next batch's rollouts take the places the last rollouts of the batch
+        before leave, first come first served, and never more than `agent.n_parallel_tasks` run together (more
+        than the engine has slots for would push the parked histories of agents waiting on tools out of its
+        cache)."""
+        loop = asyncio.get_running_loop()
+        if self._gates_loop is not loop:
+            self._gates, self._gates_loop = {}, loop
+        return self._gates.setdefault(slots, asyncio.Semaphore(slots))
 
     async def _rollout(
         self, flow: AgentFlow, task: Task, sample: int, mode: str, http: httpx.AsyncClient, round_id: int

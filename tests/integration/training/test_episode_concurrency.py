@@ -33,7 +33,7 @@ class ConcurrencyProbe(SingleTurnChatFlow):
             self.open -= 1
 
 
-def _peak_episodes(tmp_path, *extra: str) -> int:
+def _peak_episodes(tmp_path, *extra: str, steps: int = 1) -> int:
     with open(sample_path("arithmetic_train")) as f:
         rows = [json.loads(line) for line in f][:4]
     flow = ConcurrencyProbe()
@@ -46,13 +46,13 @@ def _peak_episodes(tmp_path, *extra: str) -> int:
             "data.train_batch_size=4",
             "actor_rollout_ref.rollout.n=4",
             "data.max_response_length=4",
-            "trainer.total_training_steps=1",
             "trainer.val_before_train=false",
             "trainer.test_freq=-1",
             "trainer.logger=[console]",
             f"trainer.default_local_dir={tmp_path}",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            f"trainer.total_training_steps={steps}",
             *extra,
         ],
     ).train()
@@ -67,3 +67,17 @@ def test_unset_n_parallel_tasks_follows_the_engines_batch(tmp_path):
         )
         == 3
     )
+
+
+def test_batches_collected_at_once_share_the_limit(tmp_path):
+    """Asynchronous training collects several steps' batches at once (staleness 2: three at the first step); their
+    episodes together never pass the limit, so the engine is never asked for more sequences than it holds."""
+    peak = _peak_episodes(
+        tmp_path,
+        "actor_rollout_ref.rollout.max_num_seqs=6",
+        "async_training.enable=true",
+        "async_training.staleness_threshold=2",
+        "algorithm.rollout_correction.bypass_mode=true",
+        steps=3,
+    )
+    assert peak == 6
