@@ -35,7 +35,13 @@ def test_a_tiny_run_reports_a_row(tmp_path, capsys):
         + ["--set", "actor_rollout_ref.rollout.max_num_seqs=8"]
     )
     [row] = rows
-    assert row["step_s"] > 0 and row["mean_step_s"] > 0 and row["episodes_per_s"] > 0 and row["gen_s"] > 0 and row["update_s"] > 0
+    assert (
+        row["step_s"] > 0
+        and row["mean_step_s"] > 0
+        and row["episodes_per_s"] > 0
+        and row["gen_s"] > 0
+        and row["update_s"] > 0
+    )
     assert row["rows"] > 0 and row["failed_share"] == 0
     assert 0 < row["tool_wait_share"] < 1  # one longtail tool call per episode, between the two model calls
     assert row["last_prompt_tokens"] > row["system_tokens"]
