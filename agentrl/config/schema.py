@@ -282,7 +282,7 @@ class AsyncTrainingConfig(_Section):
     staleness_threshold: int = Field(1, ge=0)
     """Most policy versions a trained token may lag the weights it trains; 0 is the synchronous loop, exactly."""
     partial_rollout: bool = True
-    """New weights reach the engines at once, between two decode steps, and episodes in flight go on with them; false waits for the batch being collected to end."""
+    """New weights reach the engines at once, between two decode steps, and episodes in flight go on with them; the batches asked for are collected at once, sharing agent.n_parallel_tasks. false collects them one after another, and a push waits for the batch being collected to end."""
     reuse_stale_prefixes: bool = False
     """The embedded engine keeps an agent's parked history (its keys and values) across up to staleness_threshold weight pushes instead of prefilling it again under the new weights."""
 
