@@ -22,7 +22,7 @@ Like full fine-tuning's bf16 compute from float32 weights, the merged forward se
 moves W' by half a bf16 step; gradients reach A and B exactly.
 A layer of a model that is not sharded *keeps* its merged weight (`fuse_lora_layers(keep_merged=True)`): W' is
 formed once per change of W, A or B (an optimizer step, their version counters; all layers at once, in place),
-by `merged_weight`'s formula (the one the engine is served under every path), so the sync sends that very tensor
+by `_merge`'s formula (the one the engine is served under every path), so the sync sends that very tensor
 (`kept_merged_weight`) and the trainer's forward runs on exactly the weights the engine sampled from. The
 forward is then full fine-tuning's `F.linear` on a leaf W' (autograd's C++ backward forms dW' = dy^T x), and a
 hook on W' turns each dW' into the adapters' gradients. Per optimizer step that is one merge per layer instead of one in every forward, recompute
@@ -58,6 +58,12 @@ def merged_is_cheaper(in_features: int, out_features: int) -> bool:
 def _adapters(lora_a, lora_b, scaling: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A and s B in the compute dtype."""
     return lora_a.to(dtype), (lora_b * scaling).to(dtype)
+
+
+def _merge(weight, a, scaled_b, out: torch.Tensor | None = None) -> torch.Tensor:
+    """W' = W + (s B) A from the compute-dtype adapters (`_adapters`): the product accumulated and W added in the
+    GEMM's float32, rounded once. Every merged weight is this: kept, formed per call, served."""
+    return torch.addmm(weight.to(a.dtype), scaled_b, a, out=out)
 
 
 def _save(ctx, scaling: float, x, bias, lora_a, lora_b, *tensors) -> None:
@@ -101,7 +107,7 @@ class _MergedLoRALinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float):
         a, b = _adapters(lora_a, lora_b, scaling, x.dtype)
-        y = F.linear(x, torch.addmm(weight, b, a), bias)
+        y = F.linear(x, _merge(weight, a, b), bias)
         _save(ctx, scaling, x, bias, lora_a, lora_b, x, weight, a, b)  # W' is formed again in backward
         return y
 
@@ -112,7 +118,7 @@ class _MergedLoRALinear(torch.autograd.Function):
         dy = dy.reshape(-1, dy.shape[-1])
         dx = dweight = dbias = da = db = None
         if ctx.needs_input_grad[0]:
-            dx = (dy @ torch.addmm(weight, b, a)).view(ctx.input_shape)
+            dx = (dy @ _merge(weight, a, b)).view(ctx.input_shape)
         if any(ctx.needs_input_grad[i] for i in (1, 3, 4)):
             dmerged = dy.t() @ flat  # dL/dW', as full fine-tuning's weight gradient
             if ctx.needs_input_grad[1]:
@@ -150,12 +156,9 @@ def _fusable(layer: Any) -> str | None:
 
 
 def merged_weight(weight, lora_a, lora_b, scaling: float, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """W + (s B) A in `dtype` (None: W's): A and s B rounded to it (the copies the gradient hook reads), the
-    product accumulated and W added in the GEMM's float32, rounded once. The formula of every merged weight:
-    kept, formed per call under FSDP (`_MergedLoRALinear`), and served."""
-    dtype = dtype or weight.dtype
-    a, scaled_b = _adapters(lora_a, lora_b, scaling, dtype)
-    return torch.addmm(weight.to(dtype), scaled_b, a)
+    """W + (s B) A in `dtype` (None: W's), A and s B rounded to it first (`_merge`): what the engine is served
+    for a layer whose merged weight is not kept."""
+    return _merge(weight, *_adapters(lora_a, lora_b, scaling, dtype or weight.dtype))
 
 
 class _Kept(NamedTuple):
@@ -242,8 +245,11 @@ def _kept(layer: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
         return kept.merged
     layer.__dict__["_merged_weight"] = None  # the old one is freed before the new one is formed
     with torch.inference_mode(False), torch.no_grad():  # never an inference tensor: training reuses it
-        a, scaled_b = lora_a.to(dtype, copy=True), (lora_b * scaling).to(dtype)
-        merged = torch.addmm(weight.to(dtype), scaled_b, a)  # `merged_weight`, keeping its adapters
+        a, scaled_b = (
+            lora_a.to(dtype, copy=True),
+            (lora_b * scaling).to(dtype),
+        )  # own copies: formed again in place
+        merged = _merge(weight, a, scaled_b)
         merged.requires_grad_(lora_a.requires_grad or lora_b.requires_grad)
     if merged.requires_grad:
         merged.register_post_accumulate_grad_hook(functools.partial(_adapter_gradients, layer))
@@ -253,7 +259,7 @@ def _kept(layer: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
 
 def _form_again_in_place(layers: list) -> None:
     """Form again every out-of-date kept merged weight of `layers` into its own tensors: the adapters' casts as
-    three multi-tensor launches for all layers, then one `addmm` a layer (`merged_weight`'s formula). Formed a
+    three multi-tensor launches for all layers, then one `_merge` a layer. Formed a
     layer at a time this was ~6 kernels and ~125 us of host time a layer: 21 ms of each 0.5B LoRA sync (H200)."""
     stale = []
     for layer in layers:
@@ -271,7 +277,7 @@ def _form_again_in_place(layers: list) -> None:
         scaled = torch._foreach_mul([k.lora_b for k in kept_now], [k.scaling for k in kept_now])
         torch._foreach_copy_([k.scaled_b for k in kept_now], scaled)
         for k in kept_now:
-            torch.addmm(k.weight.to(k.merged.dtype), k.scaled_b, k.a, out=k.merged)
+            _merge(k.weight, k.a, k.scaled_b, out=k.merged)
     for layer, kept in stale:
         layer.__dict__["_merged_weight"] = kept
 
