@@ -95,6 +95,7 @@ def test_rollouts_run_ahead_by_at_most_the_staleness_threshold(tmp_path: Path, r
     versions = [v for step_number in (2, 3, 4) for v in _versions(tmp_path / "run", step_number)]
     assert versions and all(isinstance(v, int) for v in versions)
     assert "set algorithm.rollout_correction.bypass_mode=true" in caplog.text  # nothing bounds the lag: said
+    assert "holds less than two batches" not in caplog.text  # 64 places for batches of 4 episodes
     if not partial_rollout:  # weights change only between batches: one version per step's episodes
         for step_number in (2, 3, 4):
             seen = set(_versions(tmp_path / "run", step_number))
@@ -161,9 +162,14 @@ def test_bypass_mode_clips_stale_batches_against_the_engines_log_probs(tmp_path:
         "async_training.enable=true",
         "async_training.staleness_threshold=1",
         "algorithm.rollout_correction.bypass_mode=true",
+        "agent.n_parallel_tasks=6",
     )
     assert max(r["async/staleness_max"] for r in history) == 1.0
     stale = [r for r in history if r["async/staleness_max"] > 0]
     assert stale and max(abs(r["actor/ppo_ratio_mean"] - 1.0) for r in stale) > 1e-4
     assert all(math.isfinite(r["rollout_corr/kl_k3"]) for r in history)
     assert "bypass_mode=true" not in caplog.text
+    # Six places for batches of four episodes: the next batch cannot run beside the last one whole. Said.
+    assert (
+        "agent.n_parallel_tasks=6 (by default the engines' max_num_seqs) holds less than two" in caplog.text
+    )
