@@ -473,7 +473,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print("RESULT " + json.dumps(run_config(args, name, overrides)), flush=True)
         return []
     if args.config:
-        rows = [run_in_subprocess(argv, i, name) for i, (name, _) in enumerate(args.config)]
+        rows = []
+        for i, (name, _) in enumerate(args.config):
+            rows.append(run_in_subprocess(argv, i, name))
+            # Each row as soon as its config ends: a later config that fails or runs out of time keeps it.
+            print(f"{name} done: {table_lines(rows[-1:])[-1]}", flush=True)
+            write_out(args, rows)
     else:
         rows = [run_config(args)]
     print(
@@ -486,10 +491,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(line)
     for row in rows:
         print(json.dumps(row))
+    write_out(args, rows)
+    return rows
+
+
+def write_out(args: argparse.Namespace, rows: list[dict]) -> None:
+    """The workload and the rows so far as JSON at `--out`, if given."""
     if args.out:
         workload = {k: v for k, v in vars(args).items() if k not in ("config", "out", "only_config")}
         args.out.write_text(json.dumps({"workload": workload, "rows": rows}, indent=2) + "\n")
-    return rows
 
 
 if __name__ == "__main__":

@@ -24,17 +24,21 @@ def test_a_missing_metric_prints_as_n_a():
 
 
 @pytest.mark.slow
-def test_a_tiny_run_reports_a_row(tmp_path, capsys):
+def test_a_tiny_run_reports_a_row_that_a_later_failing_config_keeps(tmp_path, capsys):
+    """One config runs, the next fails at its config check: the first one's row was printed and written when it
+    ended, so a run cut short (a failure, a device call's time limit) loses only the config it was in."""
     out = tmp_path / "agent_step.json"
-    rows = agent_step.main(
-        ["--model", "tiny:qwen2-mini", "--device", "cpu", "--tasks", "1", "--episodes", "2", "--turns", "2"]
-        + ["--steps", "2", "--system-tokens", "20", "--min-answer", "2", "--max-answer", "4"]
-        + ["--obs-tokens", "8", "--out", str(out)]
-        # Spare engine slots: with exactly one slot per episode, the embedded engine can find none free for a
-        # next turn that only partly extends its parked slot (seen with prefix caching, 2026-11-25).
-        + ["--set", "actor_rollout_ref.rollout.max_num_seqs=8"]
-    )
-    [row] = rows
+    with pytest.raises(SystemExit, match="config broken failed"):
+        agent_step.main(
+            ["--model", "tiny:qwen2-mini", "--device", "cpu", "--tasks", "1", "--episodes", "2"]
+            + ["--turns", "2", "--steps", "2", "--system-tokens", "20", "--min-answer", "2"]
+            + ["--max-answer", "4", "--obs-tokens", "8", "--out", str(out)]
+            # Spare engine slots: with exactly one slot per episode, the embedded engine can find none free for
+            # a next turn that only partly extends its parked slot (seen with prefix caching, 2026-11-25).
+            + ["--set", "actor_rollout_ref.rollout.max_num_seqs=8"]
+            + ["--config", "default:", "--config", "broken:data.train_batch_size=0"]
+        )
+    [row] = json.loads(out.read_text())["rows"]
     assert (
         row["step_s"] > 0
         and row["mean_step_s"] > 0
@@ -46,6 +50,5 @@ def test_a_tiny_run_reports_a_row(tmp_path, capsys):
     assert 0 < row["tool_wait_share"] < 1  # one longtail tool call per episode, between the two model calls
     assert row["last_prompt_tokens"] > row["system_tokens"]
     assert len(row["all_step_s"]) == 2 and row["steps_measured"] == 1
-    assert json.loads(out.read_text())["rows"] == rows
     printed = capsys.readouterr().out
-    assert "| config | step s | mean step s | episodes/s |" in printed and "| default |" in printed
+    assert "default done: | default | " in printed
