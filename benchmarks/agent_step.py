@@ -21,7 +21,8 @@ No validation, no rollout files, console logging only; the run folder is a tempo
 Per config it prints one markdown row, from the run's metrics history, as medians over the steps after the
 first (the first step includes warm-up and compilation): step time, its mean, episodes/s (`tasks x episodes`
 over the mean step: asynchronous steps come in bursts, a step that waits for a new batch between steps whose
-batch was ready, so the median alone would overstate the throughput), generation (`timing/gen`), the actor update (`timing/update_actor`), training rows and merged steps
+batch was ready, so the median alone would overstate the throughput) and its ratio to the first config's,
+generation (`timing/gen`), the actor update (`timing/update_actor`), training rows and merged steps
 (`batch/rows`, `batch/merged_steps`); when the run reports them ("n/a" when it does not): the prompt tokens the
 engine received and the tokens its prefill computed (`perf/prompt_tokens`, `perf/prefill_tokens`, else
 `perf/engine_prompt_tokens`, `perf/engine_prefill_tokens`), `perf/prefix_cache_hit_rate`,
@@ -368,6 +369,7 @@ COLUMNS = [
     ("step s", "step_s", 2),
     ("mean step s", "mean_step_s", 2),
     ("episodes/s", "episodes_per_s", 1),
+    ("vs first", "episodes_vs_first", 2),
     ("gen s", "gen_s", 2),
     ("update s", "update_s", 2),
     ("rows", "rows", 0),
@@ -475,12 +477,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.config:
         rows = []
         for i, (name, _) in enumerate(args.config):
-            rows.append(run_in_subprocess(argv, i, name))
+            rows.append(with_ratio(run_in_subprocess(argv, i, name), rows[0] if rows else None))
             # Each row as soon as its config ends: a later config that fails or runs out of time keeps it.
             print(f"{name} done: {table_lines(rows[-1:])[-1]}", flush=True)
             write_out(args, rows)
     else:
-        rows = [run_config(args)]
+        rows = [with_ratio(run_config(args), None)]
     print(
         f"\n{args.model} {args.dtype}: {args.tasks} tasks x {args.episodes} episodes x {args.turns} turns, "
         f"answers {args.min_answer}-{args.max_answer} tokens, system ~{rows[0]['system_tokens']} tokens, "
@@ -493,6 +495,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(json.dumps(row))
     write_out(args, rows)
     return rows
+
+
+def with_ratio(row: dict, first: dict | None) -> dict:
+    """`row` with its episodes/s over the first config's (1 for the first): the speedup a comparison asks for."""
+    return {**row, "episodes_vs_first": row["episodes_per_s"] / (first or row)["episodes_per_s"]}
 
 
 def write_out(args: argparse.Namespace, rows: list[dict]) -> None:

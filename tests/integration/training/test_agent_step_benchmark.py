@@ -23,6 +23,13 @@ def test_a_missing_metric_prints_as_n_a():
     assert line.startswith("| x | 1.50 |") and "| 12 |" in line and "n/a" in line
 
 
+def test_each_row_carries_its_episodes_per_second_over_the_first_configs():
+    first = agent_step.with_ratio({"config": "sync", "episodes_per_s": 10.0}, None)
+    faster = agent_step.with_ratio({"config": "staleness1", "episodes_per_s": 16.5}, first)
+    assert first["episodes_vs_first"] == 1.0 and faster["episodes_vs_first"] == 1.65
+    assert "| staleness1 | n/a | n/a | 16.5 | 1.65 |" in agent_step.table_lines([first, faster])[-1]
+
+
 @pytest.mark.slow
 def test_a_tiny_run_reports_a_row_that_a_later_failing_config_keeps(tmp_path, capsys):
     """One config runs, the next fails at its config check: the first one's row was printed and written when it
@@ -49,6 +56,6 @@ def test_a_tiny_run_reports_a_row_that_a_later_failing_config_keeps(tmp_path, ca
     assert row["rows"] > 0 and row["failed_share"] == 0
     assert 0 < row["tool_wait_share"] < 1  # one longtail tool call per episode, between the two model calls
     assert row["last_prompt_tokens"] > row["system_tokens"]
-    assert len(row["all_step_s"]) == 2 and row["steps_measured"] == 1
+    assert len(row["all_step_s"]) == 2 and row["steps_measured"] == 1 and row["episodes_vs_first"] == 1.0
     printed = capsys.readouterr().out
     assert "default done: | default | " in printed
