@@ -245,10 +245,8 @@ def _kept(layer: Any, name: str, dtype: torch.dtype) -> torch.Tensor:
         return kept.merged
     layer.__dict__["_merged_weight"] = None  # the old one is freed before the new one is formed
     with torch.inference_mode(False), torch.no_grad():  # never an inference tensor: training reuses it
-        a, scaled_b = (
-            lora_a.to(dtype, copy=True),
-            (lora_b * scaling).to(dtype),
-        )  # own copies: formed again in place
+        a = lora_a.to(dtype, copy=True)  # its own copy: `_form_again_in_place` writes into it
+        scaled_b = (lora_b * scaling).to(dtype)
         merged = _merge(weight, a, scaled_b)
         merged.requires_grad_(lora_a.requires_grad or lora_b.requires_grad)
     if merged.requires_grad:
