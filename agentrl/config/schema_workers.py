@@ -191,7 +191,9 @@ class RolloutConfig(_Section):
     enable_prefix_caching: bool = True
     """Embedded engine, slot path: reuse the keys and values of prompt prefixes already computed (an agent's earlier turns, a GRPO group's shared prompt); vLLM's name."""
     max_num_batched_tokens: int = Field(8192, ge=16)
-    """Embedded engine, slot path: most prompt tokens one prefill forward computes (a longer prompt is prefilled in chunks); vLLM's name."""
+    """Embedded engine, slot path: most prompt tokens one prefill forward computes (a longer prompt is prefilled in chunks), and with `enable_chunked_prefill` one engine step while rows decode; vLLM's name."""
+    enable_chunked_prefill: bool = True
+    """Embedded engine, slot path with prefix caching: while rows decode, an engine step prefills at most `max_num_batched_tokens` prompt tokens, so a long prompt is computed over several steps with the running rows decoding between them instead of stalled for all of it (vLLM's name and default; false: an admission is prefilled whole)."""
     free_cache_engine: bool = True
     """Free the engine's KV cache while training (hybrid engine sleep/wake). Under CUDA graphs the embedded engine's cache keeps its addresses across the sleep, and its graphs with it (docs/rollout.md); false keeps the cache's memory too (3 GiB for the 8-turn agent benchmark on an H100) during the update, and no longer saves graph captures."""
     log_prob_micro_batch_size_per_gpu: int = Field(16, ge=1)

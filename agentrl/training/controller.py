@@ -70,7 +70,8 @@ def _engine_timing(before: list[dict[str, float]], after: list[dict[str, float]]
     """Where the generation phase went inside the embedded engines (the slowest worker's):
     `timing/engine_prefill`, `timing/engine_decode` (forwards and sampling) and `timing/engine_host` (the
     scheduler's per-row Python work) in seconds, and inside those `timing/engine_cache_alloc` and
-    `timing/engine_graph_capture` (the KV cache and CUDA graphs rebuilt after each sleep); `perf/engine_prefills`, `perf/engine_decode_steps_device`
+    `timing/engine_graph_capture` (the KV cache and CUDA graphs rebuilt after each sleep); `perf/engine_prefills`,
+    `perf/engine_prefill_parts` (chunked prefill), `perf/engine_decode_steps_device`
     and `perf/engine_decode_steps_host` as counts, with the token counts (`perf/engine_prompt_tokens`,
     `perf/engine_prefix_cache_hits`, `perf/engine_prefill_tokens`, `perf/engine_tokens_generated`). Over all
     engines: `perf/prefix_cache_hit_rate` (prompt tokens found in the cache), `perf/prefill_tokens_per_s`

@@ -125,10 +125,13 @@ class PrefixCache:
         """The most recently used of `slots` (one pass over the parked order, not one per slot)."""
         return next(slot for slot in reversed(self._parked) if slot in slots)
 
-    def longest(self, prompt: list[int]) -> PrefixMatch | None:
+    def longest(
+        self, prompt: list[int], touch: bool = True, hashes: list[int] | None = None
+    ) -> PrefixMatch | None:
         """The parked slot sharing the longest prefix with `prompt`, leaving at least one prompt token to
-        compute (its logits start the answer); None below one block."""
-        hashes = block_hashes(prompt)
+        compute (its logits start the answer); None below one block. `touch=False` only looks: the slot keeps
+        its place in the eviction order. `hashes`: the prompt's `block_hashes`, when the caller has them."""
+        hashes = block_hashes(prompt) if hashes is None else hashes
         for blocks in range(len(hashes), 0, -1):
             holders = self._slots_by_hash.get(hashes[blocks - 1])
             if not holders:
@@ -144,7 +147,8 @@ class PrefixCache:
             length = min(length, len(prompt) - 1)
             if length < BLOCK_TOKENS:
                 return None
-            self._parked.move_to_end(slot)
+            if touch:
+                self._parked.move_to_end(slot)
             return PrefixMatch(slot, length, whole=length == len(tokens))
         return None
 

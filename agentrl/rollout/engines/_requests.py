@@ -54,6 +54,11 @@ class Request:
     """`constraints.Constraint` the completions must follow (forced tool call, JSON), or None."""
     draws_on_device: bool = False
     """Its rows need nothing from the host to draw (no grammar, blocked tokens or top logprobs)."""
+    prompt_hashes: list[int] | None = None
+    """The prompt's `block_hashes` (text prompts, with prefix caching), computed as it arrives: the scheduler
+    looks the prompt up in the prefix cache to budget a step's prefill, and again to admit it."""
+    computed_in_parts: int = 0
+    """Prompt tokens computed in earlier engine steps while rows decoded (chunked prefill), not cache hits."""
 
 
 @dataclass

@@ -258,6 +258,7 @@ class SlotBatch:
                 "prefill_forwards",
                 "prefill_s",
                 "compacted_rows",
+                "prefill_parts",
             )
             + tuple(
                 f"{path}_{what}" for path in PREFILL_PATHS for what in ("forwards", "tokens", "s", "host_s")
@@ -290,6 +291,8 @@ class SlotBatch:
         copies: list[int],
         reserve: int,
         images: list[ImageInputs | None] | None = None,
+        computed_in_parts: list[int] | None = None,
+        hashes: list[list[int] | None] | None = None,
     ) -> torch.Tensor:
         """Prefill `prompts`, give prompt i `copies[i]` slots; rows are appended. Returns their first logits.
 
@@ -300,13 +303,16 @@ class SlotBatch:
         Text prompts of one admission that share a prefix not parked anywhere (`shared_prefixes`) compute it
         once: the first of them in a first forward, the others from a copy of it in a second.
         `images`: each prompt's pixels (None for a text prompt); prompts are compared by `prefix_key`, which
-        tells images apart.
+        tells images apart. `computed_in_parts`: tokens of each prompt that `prefill_part` computed in earlier
+        engine steps; found parked now, they are not counted as prefix cache hits. `hashes`: each text prompt's
+        `block_hashes` when the caller has them (the engine computes them as a request arrives, off its thread).
         """
         self._ensure_length(reserve + 1)  # position length-1 stays the idle slots' sink
         images = images or [None] * len(prompts)
         keys = (
             [self.images.key(p, x) for p, x in zip(prompts, images, strict=True)] if self.images else prompts
         )
+        parts = computed_in_parts or [0] * len(prompts)
         plan = _AdmissionPlan()
         first_of: dict[tuple[int, ...], int] = {}
         for i, prompt in enumerate(prompts):
@@ -317,7 +323,8 @@ class SlotBatch:
                 self.counters["prefix_hit_tokens"] += len(prompt)
                 continue
             first_of[key] = i
-            match = self.prefixes.longest(keys[i]) if self.prefix_caching else None
+            known = hashes[i] if hashes is not None and images[i] is None and not self.images else None
+            match = self.prefixes.longest(keys[i], hashes=known) if self.prefix_caching else None
             if match is not None and match.whole:
                 self.prefixes.release(match.slot)
                 slot = match.slot
@@ -327,7 +334,7 @@ class SlotBatch:
                     plan.copies_before.append((match.slot, slot, match.length))
                     plan.sources.add(match.slot)
             start = match.length if match is not None else 0
-            self.counters["prefix_hit_tokens"] += start
+            self.counters["prefix_hit_tokens"] += start - min(start, parts[i])
             plan.prefill[i] = (slot, start)
         self._copy_prefixes(plan.copies_before)
         # Only prompts with more than the minimum gain left to compute can follow or lead: an agent's next turn
@@ -408,6 +415,32 @@ class SlotBatch:
         offsets = {i: vision[i].offset if i in vision else 0 for i in prefill}
         logits = {**self._prefill_chunks(long, computed, vision), **self._extend(short, computed, offsets)}
         return logits, offsets
+
+    def cached_tokens(self, prompt: list[int], hashes: list[int] | None = None) -> int:
+        """Tokens of `prompt` a parked slot holds (what admitting it would not compute); the eviction order is
+        left as it is. `hashes` as in `admit`."""
+        match = self.prefixes.longest(prompt, touch=False, hashes=hashes) if self.prefix_caching else None
+        return match.length if match is not None else 0
+
+    def prefill_part(self, tokens: list[int], reserve: int) -> int:
+        """Compute the keys and values of `tokens`, the first part of a prompt too long for one engine step, and
+        park the slot holding them: the prompt's next part (or its admission) finds them as a cached prefix and
+        computes only what follows. `reserve` as in `admit`, for the whole prompt. Returns the tokens computed.
+        Needs prefix caching (a part waits in the prefix cache between steps)."""
+        self._ensure_length(reserve + 1)
+        match = self.prefixes.longest(tokens)
+        if match is not None and match.whole:
+            self.prefixes.release(match.slot)
+            slot = match.slot
+        else:
+            slot = self._take_slot({match.slot} if match is not None else set())
+            if match is not None:
+                self._copy_prefixes([(match.slot, slot, match.length)])
+        start = match.length if match is not None else 0
+        self._prefill_planned({0: (slot, start)}, [tokens], [None])
+        self.prefixes.park(slot, tokens)
+        self.counters["prefill_parts"] += 1
+        return len(tokens) - start
 
     def _take_slot(self, preserved: set[int]) -> int:
         """A slot for a new row: a free one, else the least recently used parked one, sparing those this

@@ -43,6 +43,7 @@ import torch
 from agentrl.data.images import load_image_processor
 from agentrl.rollout.engines._batch import DynamicBatch
 from agentrl.rollout.engines._parked_weights import ParkedWeights
+from agentrl.rollout.engines._prefix_cache import BLOCK_TOKENS, block_hashes
 from agentrl.rollout.engines._requests import Detokenizer, Request, Sequence, StreamEvent, build_sequences
 from agentrl.rollout.engines._sampling import RowSampling, filters_needed, select_tokens
 from agentrl.rollout.engines._slot_batch import PREFILL_PATHS, DeviceDraw, SlotBatch, SlotSampling
@@ -116,6 +117,7 @@ class EmbeddedEngine:
         draw_on_device: bool = True,
         enable_prefix_caching: bool = True,
         prefill_chunk_tokens: int = 8192,
+        chunked_prefill: bool = True,
         prefix_max_weight_changes: int = 0,
         sleeps_between_steps: bool = False,
     ) -> None:
@@ -128,6 +130,11 @@ class EmbeddedEngine:
         `enable_prefix_caching` (vLLM's name): a finished sequence parks its slot so a prompt extending it (the
         agent's next turn) or sharing its prefix computes only the rest; identical prompts admitted together
         are computed once. `prefill_chunk_tokens`: the most prompt tokens one prefill forward computes.
+        `chunked_prefill` (vLLM's `enable_chunked_prefill`): while rows decode, one engine step prefills at most
+        `prefill_chunk_tokens` prompt tokens, so a long prompt (or a burst of them) is computed over several
+        steps, a decode step of the running rows between each, instead of stalling them all for the whole of it.
+        A prompt's parts wait in the prefix cache between steps, so it needs the slot path with prefix caching;
+        an idle engine still prefills a whole admission at once (nothing decodes that it could stall).
         `prefix_max_weight_changes`: how many weight changes a parked prefix outlives (0: new weights forget
         every one; asynchronous training with `async_training.reuse_stale_prefixes` sets its staleness bound).
         `sleeps_between_steps`: the hybrid engine sleeps around every update; weights it owns move now to the
@@ -156,6 +163,9 @@ class EmbeddedEngine:
         self._waiting: deque[tuple[Request, list[Sequence]]] = deque()
         self._rows: list[Sequence] = []
         self._batch = self._build_batch(cuda_graphs, compile_decode)
+        self.chunked_prefill = (
+            chunked_prefill and enable_prefix_caching and isinstance(self._batch, SlotBatch)
+        )
         self._parked = ParkedWeights(
             model, self._device, stable=isinstance(self._batch, SlotBatch) and self._batch.cuda_graphs
         )
@@ -310,6 +320,8 @@ class EmbeddedEngine:
         request.draws_on_device = (
             top_logprobs == 0 and constraint is None and not self._blocked_below_min_tokens_of(params)
         )
+        if self.enable_prefix_caching and images is None:
+            request.prompt_hashes = block_hashes(request.prompt_ids)
         seqs = build_sequences(request)
         self._attach_matchers(seqs)
         with self._cond:
@@ -370,14 +382,18 @@ class EmbeddedEngine:
             )
         return left if left > 0 else None
 
-    def _admit(self) -> tuple[list[tuple[Request, list[Sequence]]], float | None]:
-        """Waiting requests that fit, once `_admission_hold` lets them in; and how long it holds them."""
+    def _admit(self) -> tuple[list[tuple[Request, list[Sequence]]], Request | None, float | None]:
+        """Waiting requests that fit, once `_admission_hold` lets them in; the first waiting request when it is
+        too long to prefill whole in this step (`chunked_prefill`: it stays waiting, a part of it is computed);
+        and how long admission holds the waiting ones back."""
         admitted: list[tuple[Request, list[Sequence]]] = []
         with self._cond:
             free = self.max_num_seqs - len(self._rows)
             hold = self._admission_hold(free)
             if hold is not None:
-                return admitted, hold
+                return admitted, None, hold
+            budget = self.prefill_chunk_tokens if self.chunked_prefill and self._rows else None
+            budgeted: set[int] = set()
             while self._waiting and not self._asleep:
                 request, seqs = self._waiting[0]
                 if request.cancelled or request.loop.is_closed():  # nobody can receive its tokens
@@ -385,25 +401,58 @@ class EmbeddedEngine:
                     continue
                 if len(seqs) > free:
                     break
+                if budget is not None and request.images is None:
+                    left = self._tokens_to_prefill(request, budgeted)
+                    if left > budget:
+                        return admitted, (None if admitted else request), None
+                    budget -= left
                 admitted.append(self._waiting.popleft())
                 free -= len(seqs)
-        return admitted, None
+        return admitted, None, None
 
     def _step(self) -> float | None:
         """One decode step of the running rows and/or one prefill of admitted requests; returns how long
         admission holds the waiting ones back when nothing ran (the scheduler then waits that long)."""
-        admitted, hold = self._admit()
+        admitted, part_of, hold = self._admit()
         try:
             if self._can_draw_on_device(admitted):
                 self._step_on_device(admitted)
             else:
                 self._read_in_flight()
                 self._step_on_host(admitted)
+            if part_of is not None:
+                self._prefill_part(part_of)
         except Exception as error:  # admitted requests not yet running: _fail_running would not reach them
             running = {id(seq.request) for seq in self._rows}
-            self._deliver_all([(request, error) for request, _ in admitted if id(request) not in running])
+            failed = [request for request, _ in admitted if id(request) not in running]
+            if part_of is not None:
+                with self._cond:
+                    self._waiting = deque(item for item in self._waiting if item[0] is not part_of)
+                failed.append(part_of)
+            self._deliver_all([(request, error) for request in failed])
             raise
         return hold
+
+    def _tokens_to_prefill(self, request: Request, budgeted: set[int]) -> int:
+        """Prompt tokens admitting `request` would compute: past what a parked slot holds, and past the prefix it
+        shares with prompts admitted before it in this step (`budgeted`: their block hashes, which it joins), as
+        `SlotBatch.admit` computes a GRPO group's prompt or agents' common system prompt once."""
+        prompt, hashes = request.prompt_ids, request.prompt_hashes or []
+        shared = next((k * BLOCK_TOKENS for k in range(len(hashes), 0, -1) if hashes[k - 1] in budgeted), 0)
+        budgeted.update(hashes)
+        return len(prompt) - max(shared, self._batch.cached_tokens(prompt, hashes))
+
+    def _prefill_part(self, request: Request) -> None:
+        """Compute the next `prefill_chunk_tokens` of a waiting prompt too long for one step (after this step's
+        decode launched); it is admitted once what is left fits in a step. Never its last token: the admission
+        computes that one, whose logits start the answer."""
+        prompt = request.prompt_ids
+        end = min(
+            len(prompt) - 1,
+            self._batch.cached_tokens(prompt, request.prompt_hashes) + self.prefill_chunk_tokens,
+        )
+        reserve = len(prompt) + request.max_new_tokens
+        request.computed_in_parts += self._batch.prefill_part(prompt[:end], reserve)
 
     def _can_draw_on_device(self, admitted: list[tuple[Request, list[Sequence]]]) -> bool:
         return (
@@ -494,11 +543,18 @@ class EmbeddedEngine:
         """Admit the requests' prompts to the batch; their rows' first logits and the rows."""
         self._prefills += 1
         images = [request.images for request, _ in admitted]
+        parts = [request.computed_in_parts for request, _ in admitted]
         logits = self._batch.admit(
             [request.prompt_ids for request, _ in admitted],
             [len(seqs) for _, seqs in admitted],
             reserve=max(len(r.prompt_ids) + r.max_new_tokens for r, _ in admitted),
             **({"images": images} if any(x is not None for x in images) else {}),
+            **({"computed_in_parts": parts} if any(parts) else {}),
+            **(
+                {"hashes": [r.prompt_hashes for r, _ in admitted]}
+                if isinstance(self._batch, SlotBatch)
+                else {}
+            ),
         )
         return logits, [seq for _, seqs in admitted for seq in seqs]
 
@@ -805,6 +861,7 @@ class EmbeddedEngine:
             "prefill_tokens": counters["prefill_tokens"],
             "prefill_forwards": counters["prefill_forwards"],
             "rows_compacted": counters.get("compacted_rows", 0),
+            "prefill_parts": counters.get("prefill_parts", 0),
             "busy_prefill_forward_s": round(counters["prefill_s"], 4),
             **{
                 (f"busy_prefill_{key}" if key.endswith("_s") else f"prefill_{key}"): round(counters[key], 4)

@@ -103,6 +103,7 @@ def start_embedded_serving(
         owns_weights=policy is None,
         enable_prefix_caching=rollout.enable_prefix_caching,
         prefill_chunk_tokens=rollout.max_num_batched_tokens,
+        chunked_prefill=rollout.enable_chunked_prefill,
         prefix_max_weight_changes=stale_prefix_bound(config),
         sleeps_between_steps=rollout.free_cache_engine,
     )

@@ -292,7 +292,8 @@ class PolicyWorker:
 
     def engine_counters(self) -> dict[str, float]:
         """The embedded engine's cumulative prefill, decode and host seconds, its prefill and decode step counts,
-        and its prompt, prefix-cache hit, prefilled and generated tokens (`EmbeddedEngine.stats`), the prefill
+        and its prompt, prefix-cache hit, prefilled and generated tokens (`EmbeddedEngine.stats`), the parts of
+        long prompts prefilled between decode steps (chunked prefill), the prefill
         forwards and tokens of each path (extend graphs, packed) beside their seconds; {} for vLLM,
         whose servers keep their own metrics."""
         engine = getattr(self.rollout, "engine", None)
@@ -300,7 +301,14 @@ class PolicyWorker:
             return {}
         stats = engine.stats()
         counters = {k[len("busy_") :]: v for k, v in stats.items() if k.startswith("busy_")}
-        counted = ("prefills", "prompt_tokens", "prefix_cache_hits", "prefill_tokens", "tokens_generated")
+        counted = (
+            "prefills",
+            "prefill_parts",
+            "prompt_tokens",
+            "prefix_cache_hits",
+            "prefill_tokens",
+            "tokens_generated",
+        )
         counters.update(
             {
                 k: v
