@@ -4,6 +4,9 @@ forward of the whole sequence gives."""
 
 import asyncio
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,3 +199,18 @@ def test_the_rollout_keys_reach_the_engine(setting, chunked):
         assert serving.engine.prefill_chunk_tokens == 48
     finally:
         serving.stop()
+
+
+def test_the_benchmark_compares_both_settings_in_one_process():
+    """`benchmarks/chunked_prefill.py` at a small size: a row per setting, parts only when chunked, the ratios."""
+    bench = Path(__file__).resolve().parents[3] / "benchmarks" / "chunked_prefill.py"
+    args = ["--prompt-len", "300", "--budget", "64", "--rows", "2", "--decode-tokens", "60"]
+    done = subprocess.run([sys.executable, str(bench), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:-1]
+        for line in done.stdout.splitlines()
+        if line.startswith("| ")
+    }
+    assert float(rows["chunked"][4]) >= 300 // 64 - 1 and float(rows["whole"][4]) == 0
+    assert "chunked / whole: longest gap" in done.stdout
