@@ -55,6 +55,25 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         default=64,
         help="sequences the embedded engine decodes at once (vLLM's flag)",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the keys and values of prompt prefixes computed before (vLLM's flag; on unless --no-...)",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="while rows decode, prefill at most --max-num-batched-tokens prompt tokens a step, a long prompt "
+        "over several steps (vLLM's flag; on unless --no-...)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens one prefill forward (and, chunked, one step) computes (vLLM's flag; embedded: 8192)",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="cap on completion tokens per call")
     p.add_argument("--temperature", type=float, default=1.0, help="enforced sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -79,7 +98,31 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 16:
+        p.error(f"--max-num-batched-tokens must be >= 16, got {args.max_num_batched_tokens}")
     return args
+
+
+def _prefill_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The prefill flags given, as the embedded engine's arguments (the rest keep its defaults)."""
+    named = {
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "chunked_prefill": args.enable_chunked_prefill,
+        "prefill_chunk_tokens": args.max_num_batched_tokens,
+    }
+    return {key: value for key, value in named.items() if value is not None}
+
+
+def _vllm_prefill_flags(args: argparse.Namespace) -> list[str]:
+    """The same flags for `vllm serve`, only those given (vLLM keeps its own defaults otherwise)."""
+    flags = []
+    for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        value = getattr(args, name)
+        if value is not None:
+            flags.append(f"--{'' if value else 'no-'}{name.replace('_', '-')}")
+    if args.max_num_batched_tokens is not None:
+        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return flags
 
 
 def _check_bind(host: str, port: int) -> str | None:
@@ -132,6 +175,7 @@ def _start_embedded(
             dtype=args.dtype or "float32",
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
+            **_prefill_options(args),
         )
         cleanup.append(engine.close)
         app = build_server_app(
@@ -151,7 +195,7 @@ def _start_vllm(
     servers = launch_vllm_servers(
         model, args.servers, python=args.vllm_python, served_model_name=name,
         max_model_len=args.max_model_len, dtype=args.dtype or "auto", max_num_seqs=args.max_num_seqs,
-        startup_timeout=args.startup_timeout, log_dir=args.log_dir,
+        extra_args=_vllm_prefill_flags(args), startup_timeout=args.startup_timeout, log_dir=args.log_dir,
     )  # fmt: skip
     cleanup.append(servers.stop)
     return list(servers)

@@ -270,3 +270,35 @@ def test_serve_threads_default_to_the_usable_cores_and_zero_is_refused(tmp_path)
     assert _parse_args(["--model", "tiny:qwen2", "--max-num-seqs", "32"]).max_num_seqs == 32
     result = _agentrl("serve", "--model", "tiny:qwen2", "--threads", "0", cwd=tmp_path)
     assert result.returncode == 2 and "--threads must be >= 1, got 0" in result.stderr
+
+
+def test_serve_prefill_flags_reach_either_engine_as_given(tmp_path):
+    """vLLM's flags: the embedded engine takes the ones given as its arguments, `vllm serve` gets them back as
+    flags; none given leaves both engines' defaults."""
+    from agentrl.cli.serve import _parse_args, _prefill_options, _vllm_prefill_flags
+
+    given = _parse_args(
+        [
+            "--model",
+            "tiny:qwen2",
+            "--no-enable-chunked-prefill",
+            "--enable-prefix-caching",
+            "--max-num-batched-tokens",
+            "64",
+        ]
+    )
+    assert _prefill_options(given) == {
+        "enable_prefix_caching": True,
+        "chunked_prefill": False,
+        "prefill_chunk_tokens": 64,
+    }
+    assert _vllm_prefill_flags(given) == [
+        "--enable-prefix-caching",
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        "64",
+    ]
+    none = _parse_args(["--model", "tiny:qwen2"])
+    assert _prefill_options(none) == {} and _vllm_prefill_flags(none) == []
+    result = _agentrl("serve", "--model", "tiny:qwen2", "--max-num-batched-tokens", "8", cwd=tmp_path)
+    assert result.returncode == 2 and "--max-num-batched-tokens must be >= 16, got 8" in result.stderr

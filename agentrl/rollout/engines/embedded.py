@@ -847,6 +847,9 @@ class EmbeddedEngine:
             "lora_adapter": self._lora.active,
             "max_num_seqs": self.max_num_seqs,
             "max_model_len": self.max_model_len,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "enable_chunked_prefill": self.chunked_prefill,
+            "max_num_batched_tokens": self.prefill_chunk_tokens,
         }
 
     def _cache_stats(self) -> dict[str, Any]:
@@ -900,11 +903,13 @@ def build_embedded_engine(
     device: str = "cpu",
     max_num_seqs: int = 64,
     max_model_len: int | None = None,
+    **options: Any,
 ) -> EmbeddedEngine:
-    """Load model and tokenizer (HF id, folder or `tiny:` preset) and wrap them in an engine."""
+    """Load model and tokenizer (HF id, folder or `tiny:` preset) and wrap them in an engine; `options` are
+    `EmbeddedEngine`'s other keyword arguments."""
     from agentrl.models import load_causal_lm, load_tokenizer
 
     model = load_causal_lm(model_path, dtype=dtype, device=device)
     return EmbeddedEngine(
-        model, load_tokenizer(model_path), max_num_seqs=max_num_seqs, max_model_len=max_model_len
+        model, load_tokenizer(model_path), max_num_seqs=max_num_seqs, max_model_len=max_model_len, **options
     )

@@ -95,6 +95,21 @@ def test_serve_embedded_two_servers(tmp_path: Path) -> None:
         httpx.get(f"{base}/health", timeout=2)
 
 
+def test_serve_passes_vllms_prefill_flags_to_the_embedded_engine(tmp_path: Path) -> None:
+    """`--no-enable-chunked-prefill --max-num-batched-tokens 48` as `vllm serve` takes them; the server's
+    `GET /stats` shows what its engine runs with."""
+    args = ["--model", "tiny:qwen2-mini", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "48"]
+    proc, base, lines = _start_serve([*args, "--log-dir", str(tmp_path)], 120)
+    try:
+        server = httpx.get(f"{base}/health").json()["servers"][0]["url"]
+        stats = httpx.get(f"{server}/stats", timeout=30).json()
+        assert stats["enable_chunked_prefill"] is False and stats["max_num_batched_tokens"] == 48
+        assert stats["enable_prefix_caching"] is True
+    finally:
+        _interrupt(proc)
+    assert proc.returncode == 0
+
+
 def test_serve_vision_language_answers_an_openai_client_with_a_png(tmp_path: Path) -> None:
     """An official `openai` client sends a base64 PNG `image_url` part; the trace holds every image pad."""
     import openai
