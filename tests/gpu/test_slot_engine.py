@@ -334,3 +334,37 @@ def test_graphs_are_captured_with_cudnn_attention_in_a_process_that_trains_witho
     finally:
         engine.close()
         torch.backends.cuda.enable_cudnn_sdp(allowed)
+
+
+@pytest.mark.parametrize("budget", [48, 128])
+def test_a_long_prompt_prefilled_in_parts_beside_graph_decoding_is_exact(model, budget):
+    """Chunked prefill under CUDA graphs: parts of 48 tokens go through the extend graphs, of 128 packed; the
+    decoding row keeps its exact logprobs and the long prompt's equal teacher forcing."""
+    engine = _engine(model, prefill_chunk_tokens=budget)
+    short = [(7 * i + 3) % 5000 + 10 for i in range(24)]
+    long = [(13 * i + 7) % 5000 + 10 for i in range(400)]
+
+    async def run():
+        first_token = asyncio.Event()
+
+        async def decoding():
+            out = None
+            params = SamplingParams(temperature=1.0, max_tokens=200, seed=2, ignore_eos=True)
+            async for event in engine.stream(short, params):
+                first_token.set()
+                out = event.output or out
+            return out
+
+        task = asyncio.create_task(decoding())
+        await first_token.wait()
+        out = (await engine.generate(long, SamplingParams(temperature=1.0, max_tokens=16, seed=4)))[0]
+        return await task, out
+
+    try:
+        running, out = asyncio.run(run())
+        stats = engine.stats()
+        assert stats["prefill_parts"] >= 400 // budget - 1
+        assert stats["prefill_tokens"] == len(short) + len(long)
+        assert worst_logprob_gap(model, [short, long], [[running], [out]]) < 1e-3
+    finally:
+        engine.close()
