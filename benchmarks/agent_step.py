@@ -22,7 +22,9 @@ Per config it prints one markdown row, from the run's metrics history, as median
 first (the first step includes warm-up and compilation): step time, its mean, episodes/s (`tasks x episodes`
 over the mean step: asynchronous steps come in bursts, a step that waits for a new batch between steps whose
 batch was ready, so the median alone would overstate the throughput) and its ratio to the first config's,
-generation (`timing/gen`), the actor update (`timing/update_actor`), training rows and merged steps
+generation (`timing/gen`: the step's wait for its batch), the batch's own collection (`collect s`:
+`async/batch_collect_s` in an asynchronous run, where a batch is collected partly beside earlier steps; else
+`timing/gen`), the actor update (`timing/update_actor`), training rows and merged steps
 (`batch/rows`, `batch/merged_steps`); when the run reports them ("n/a" when it does not): the prompt tokens the
 engine received and the tokens its prefill computed (`perf/prompt_tokens`, `perf/prefill_tokens`, else
 `perf/engine_prompt_tokens`, `perf/engine_prefill_tokens`), `perf/prefix_cache_hit_rate`,
@@ -80,6 +82,7 @@ data report summary line lines text word words city cities weather today warm co
 book books store sold bought paid left more less many few each every some all none only also
 """.split()
 OPTIONAL_METRICS = {
+    "collect_s": ("async/batch_collect_s", "timing/gen"),
     "prompt_tokens": ("perf/prompt_tokens", "perf/engine_prompt_tokens"),
     "prefill_tokens": ("perf/prefill_tokens", "perf/engine_prefill_tokens"),
     "prefix_cache_hit_rate": ("perf/prefix_cache_hit_rate",),
@@ -371,6 +374,7 @@ COLUMNS = [
     ("episodes/s", "episodes_per_s", 1),
     ("vs first", "episodes_vs_first", 2),
     ("gen s", "gen_s", 2),
+    ("collect s", "collect_s", 2),
     ("update s", "update_s", 2),
     ("rows", "rows", 0),
     ("merged steps", "merged_steps", 0),

@@ -310,6 +310,8 @@ class Controller:
             with _timer(timing, "step"):
                 with _timer(timing, "gen"):
                     episodes, kept = self.next_training_episodes(step)
+                if self.pipeline is not None:
+                    timing.update(self.pipeline.last_batch_timing)
                 # Asynchronous: the engine and the gateway worked on this batch while earlier steps trained, so
                 # their counters are read from one batch's end to the next.
                 busy_after = self.policy.call("engine_counters")

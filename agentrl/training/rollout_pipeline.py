@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, TypeVar
@@ -37,7 +38,12 @@ class RolloutPipeline(Generic[T]):
         self._collect = collect
         self._loop = loop
         self.partial_rollout = partial_rollout
-        self._pending: deque[concurrent.futures.Future[T]] = deque()
+        self._pending: deque[tuple[concurrent.futures.Future[T], list[float]]] = deque()
+        """Each batch asked for, with the clock at its collection's start and end (filled as it runs)."""
+        self.last_batch_timing: dict[str, float] = {}
+        """The batch `take` returned last: `async/batch_collect_s`, its collection's start to end (the wait on its
+        slowest episode included), and `async/batch_head_start_s`, how long it had been collected when `take` was
+        called (the overlap with the steps before)."""
         self._batch_lock = threading.Lock()  # held while a batch is collected (without partial rollouts)
         self._one_at_a_time: asyncio.Lock | None = None  # made on the loop
         self._closed = False
@@ -53,13 +59,21 @@ class RolloutPipeline(Generic[T]):
         """Ask for one more batch: it starts now (partial rollouts) or after those asked for before."""
         if self._closed:
             raise RuntimeError("the rollout pipeline is closed")
-        self._pending.append(asyncio.run_coroutine_threadsafe(self._collect_one(), self._loop))
+        times: list[float] = []
+        self._pending.append((asyncio.run_coroutine_threadsafe(self._collect_one(times), self._loop), times))
 
     def take(self) -> T:
         """The oldest batch asked for, waiting until it is collected; its collection error is raised here."""
         if not self._pending:
             raise RuntimeError("take() with no batch asked for")
-        return self._pending.popleft().result()
+        future, times = self._pending.popleft()
+        asked = time.perf_counter()
+        result = future.result()
+        self.last_batch_timing = {
+            "async/batch_collect_s": times[1] - times[0],
+            "async/batch_head_start_s": max(0.0, asked - times[0]),
+        }
+        return result
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run `coroutine` on the pipeline's loop (beside any batch in collection) and return its result."""
@@ -76,22 +90,30 @@ class RolloutPipeline(Generic[T]):
         """Cancel the batches not taken, wait up to `wait_s` for them to stop, and hand the loop back (the
         thread stops driving it)."""
         self._closed = True
-        for future in self._pending:
+        futures = [future for future, _ in self._pending]
+        for future in futures:
             future.cancel()
-        concurrent.futures.wait(self._pending, timeout=wait_s)
+        concurrent.futures.wait(futures, timeout=wait_s)
         self._pending.clear()
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=wait_s)
 
-    async def _collect_one(self) -> T:
+    async def _collect_one(self, times: list[float]) -> T:
         if self.partial_rollout:
-            return await self._collect()
+            return await self._timed_collect(times)
         if self._one_at_a_time is None:
             self._one_at_a_time = asyncio.Lock()
         async with self._one_at_a_time:  # FIFO: batches in request order
             with self._batch_lock:  # blocks the loop only while a push runs: no other batch is collected then
-                return await self._collect()
+                return await self._timed_collect(times)
+
+    async def _timed_collect(self, times: list[float]) -> T:
+        times.append(time.perf_counter())
+        try:
+            return await self._collect()
+        finally:
+            times.append(time.perf_counter())
 
 
 def steps_to_request(

@@ -113,3 +113,28 @@ def test_without_partial_rollouts_a_weight_push_waits_for_the_batch_in_collectio
     assert pipeline.take() == "batch"
     pipeline.close()
     runner.close()
+
+
+def test_each_batch_taken_reports_its_collection_time_and_its_head_start():
+    """`async/batch_collect_s` is the batch's own collection (0.3 s here), `async/batch_head_start_s` how long it
+    had run when `take` was called: the second batch, asked for with the first, had a 0.2 s head start more."""
+
+    async def collect():
+        await asyncio.sleep(0.3)
+        return "batch"
+
+    pipeline, runner = _pipeline(collect, partial_rollout=True)
+    pipeline.request()
+    pipeline.request()
+    time.sleep(0.1)
+    pipeline.take()
+    first = pipeline.last_batch_timing
+    time.sleep(0.2)
+    pipeline.take()
+    second = pipeline.last_batch_timing
+    assert 0.3 <= first["async/batch_collect_s"] < 0.6 and 0.3 <= second["async/batch_collect_s"] < 0.6
+    assert 0.1 <= first["async/batch_head_start_s"] < first["async/batch_collect_s"]
+    assert second["async/batch_head_start_s"] >= 0.5  # taken after the first's 0.3 s and 0.2 s more
+    assert second["async/batch_head_start_s"] > second["async/batch_collect_s"]  # it was whole before asked for
+    pipeline.close()
+    runner.close()
