@@ -88,6 +88,14 @@ def test_rollouts_run_ahead_by_at_most_the_staleness_threshold(tmp_path: Path, r
     assert all(math.isfinite(r["actor/pg_loss"]) for r in history)
     assert max(r["async/staleness_max"] for r in history) == 1.0  # batches really were collected a step ahead
     assert all(r["async/staleness_max"] <= 1.0 for r in history)
+    # Each step says how long its batch took to collect and how much of that ran before the step waited for it.
+    assert all(
+        0 < r["async/batch_collect_s"] <= r["async/batch_head_start_s"] + r["timing/gen"] + 0.05
+        for r in history
+    )
+    assert (
+        max(r["async/batch_head_start_s"] for r in history[1:]) > 0
+    )  # later batches started ahead of their step
     # Every second turn continued its session; turns made while an earlier step trained count too.
     merged = sum(r["batch/merged_steps"] for r in history)
     assert merged == 16

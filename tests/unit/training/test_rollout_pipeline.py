@@ -135,6 +135,8 @@ def test_each_batch_taken_reports_its_collection_time_and_its_head_start():
     assert 0.3 <= first["async/batch_collect_s"] < 0.6 and 0.3 <= second["async/batch_collect_s"] < 0.6
     assert 0.1 <= first["async/batch_head_start_s"] < first["async/batch_collect_s"]
     assert second["async/batch_head_start_s"] >= 0.5  # taken after the first's 0.3 s and 0.2 s more
-    assert second["async/batch_head_start_s"] > second["async/batch_collect_s"]  # it was whole before asked for
+    assert (
+        second["async/batch_head_start_s"] > second["async/batch_collect_s"]
+    )  # it was whole before asked for
     pipeline.close()
     runner.close()
