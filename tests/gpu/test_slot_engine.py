@@ -18,6 +18,7 @@ from agentrl.rollout.engines import _slot_batch
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.types import SamplingParams
 from tests.gpu._teacher_forcing import worst_logprob_gap
+from tests.integration.rollout.test_chunked_prefill import while_a_row_decodes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -343,25 +344,11 @@ def test_a_long_prompt_prefilled_in_parts_beside_graph_decoding_is_exact(model, 
     engine = _engine(model, prefill_chunk_tokens=budget)
     short = [(7 * i + 3) % 5000 + 10 for i in range(24)]
     long = [(13 * i + 7) % 5000 + 10 for i in range(400)]
-
-    async def run():
-        first_token = asyncio.Event()
-
-        async def decoding():
-            out = None
-            params = SamplingParams(temperature=1.0, max_tokens=200, seed=2, ignore_eos=True)
-            async for event in engine.stream(short, params):
-                first_token.set()
-                out = event.output or out
-            return out
-
-        task = asyncio.create_task(decoding())
-        await first_token.wait()
-        out = (await engine.generate(long, SamplingParams(temperature=1.0, max_tokens=16, seed=4)))[0]
-        return await task, out
-
+    decoding = SamplingParams(temperature=1.0, max_tokens=200, seed=2, ignore_eos=True)
     try:
-        running, out = asyncio.run(run())
+        running, out = while_a_row_decodes(
+            engine, short, long, decoding, SamplingParams(temperature=1.0, max_tokens=16, seed=4)
+        )
         stats = engine.stats()
         assert stats["prefill_parts"] >= 400 // budget - 1
         assert stats["prefill_tokens"] == len(short) + len(long)

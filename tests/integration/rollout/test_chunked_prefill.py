@@ -49,22 +49,23 @@ def _spy_on_parts(engine):
     return seen
 
 
-def _while_a_row_decodes(engine, short, long):
-    """Start `short` decoding, then send `long` once the first has tokens; both outputs."""
+def while_a_row_decodes(engine, short, long, running_params=RUNNING, long_params=LONG):
+    """Start `short` decoding, then send `long` once the first has tokens; both outputs (the GPU test uses it
+    too)."""
 
     async def run():
         first_token = asyncio.Event()
 
         async def running():
             out = None
-            async for event in engine.stream(short, RUNNING):
+            async for event in engine.stream(short, running_params):
                 first_token.set()
                 out = event.output or out
             return out
 
         task = asyncio.create_task(running())
         await first_token.wait()
-        out = (await engine.generate(long, LONG))[0]
+        out = (await engine.generate(long, long_params))[0]
         return await task, out
 
     return asyncio.run(run())
@@ -89,7 +90,7 @@ def test_a_long_prompt_is_prefilled_in_parts_with_a_decode_step_between_each(mod
     parts = _spy_on_parts(engine)
     try:
         short, long = _prompts(tokenizer)
-        running, out = _while_a_row_decodes(engine, short, long)
+        running, out = while_a_row_decodes(engine, short, long)
         stats = engine.stats()
         assert len(parts) >= (len(long) - 1) // PART - 1 >= 5
         assert stats["prefill_parts"] == len(parts)
@@ -149,7 +150,7 @@ def test_chunked_prefill_off_prefills_the_long_prompt_in_one_step(model, tokeniz
     parts = _spy_on_parts(engine)
     try:
         short, long = _prompts(tokenizer)
-        _, out = _while_a_row_decodes(engine, short, long)
+        _, out = while_a_row_decodes(engine, short, long)
         stats = engine.stats()
         assert parts == [] and stats["prefill_parts"] == 0
         assert stats["prefill_forwards"] >= len(long) // PART  # its chunks ran back to back, in one step
