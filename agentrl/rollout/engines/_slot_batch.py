@@ -42,7 +42,7 @@ import torch
 
 from agentrl.models.attention_kernels import cudnn_attention_for_capture
 from agentrl.models.compile_cache import use_compile_cache
-from agentrl.rollout.engines._prefix_cache import PrefixCache, shared_prefixes
+from agentrl.rollout.engines._prefix_cache import PrefixCache, PrefixMatch, shared_prefixes
 from agentrl.rollout.engines._sampling import as_int64, policy_logprob, sample_on_device
 from agentrl.rollout.engines._slot_decode import (
     DecodeRegions,
@@ -325,14 +325,10 @@ class SlotBatch:
             first_of[key] = i
             known = hashes[i] if hashes is not None and images[i] is None and not self.images else None
             match = self.prefixes.longest(keys[i], hashes=known) if self.prefix_caching else None
-            if match is not None and match.whole:
-                self.prefixes.release(match.slot)
-                slot = match.slot
-            else:
-                slot = self._take_slot(plan.sources)
-                if match is not None:
-                    plan.copies_before.append((match.slot, slot, match.length))
-                    plan.sources.add(match.slot)
+            slot, copy = self._claim_slot(match, plan.sources)
+            if copy is not None:
+                plan.copies_before.append(copy)
+                plan.sources.add(copy[0])
             start = match.length if match is not None else 0
             self.counters["prefix_hit_tokens"] += start - min(start, parts[i])
             plan.prefill[i] = (slot, start)
@@ -429,18 +425,25 @@ class SlotBatch:
         Needs prefix caching (a part waits in the prefix cache between steps)."""
         self._ensure_length(reserve + 1)
         match = self.prefixes.longest(tokens)
-        if match is not None and match.whole:
-            self.prefixes.release(match.slot)
-            slot = match.slot
-        else:
-            slot = self._take_slot({match.slot} if match is not None else set())
-            if match is not None:
-                self._copy_prefixes([(match.slot, slot, match.length)])
+        slot, copy = self._claim_slot(match, {match.slot} if match is not None else set())
+        self._copy_prefixes([copy] if copy is not None else [])
         start = match.length if match is not None else 0
         self._prefill_planned({0: (slot, start)}, [tokens], [None])
         self.prefixes.park(slot, tokens)
         self.counters["prefill_parts"] += 1
         return len(tokens) - start
+
+    def _claim_slot(
+        self, match: PrefixMatch | None, preserved: set[int]
+    ) -> tuple[int, tuple[int, int, int] | None]:
+        """The slot a prompt's keys and values go to: the parked slot of a match it extends whole is taken over;
+        else a new slot (`_take_slot`), with the copy (source, slot, tokens) of the matched prefix to make into it
+        (None without a match)."""
+        if match is not None and match.whole:
+            self.prefixes.release(match.slot)
+            return match.slot, None
+        slot = self._take_slot(preserved)
+        return slot, (match.slot, slot, match.length) if match is not None else None
 
     def _take_slot(self, preserved: set[int]) -> int:
         """A slot for a new row: a free one, else the least recently used parked one, sparing those this
