@@ -311,6 +311,12 @@ def summarise(history: list[dict], args: argparse.Namespace, name: str, override
         ),
         "all_step_s": [r["timing/step"] for r in steps],
         "steps_measured": len(measured),
+        # Where the step went (JSON only): waiting for the batch, the update, the weight push, the rest.
+        "phases": {
+            key: _median(measured, key)
+            for key in sorted({k for r in measured for k in r})
+            if key.startswith("timing/") and not key.startswith("timing/engine_")
+        },
         # Where generation went inside the engine (JSON only): prefill/decode/host seconds, prefills, steps.
         "engine": {
             key: _median(measured, key)

@@ -57,5 +57,6 @@ def test_a_tiny_run_reports_a_row_that_a_later_failing_config_keeps(tmp_path, ca
     assert 0 < row["tool_wait_share"] < 1  # one longtail tool call per episode, between the two model calls
     assert row["last_prompt_tokens"] > row["system_tokens"]
     assert len(row["all_step_s"]) == 2 and row["steps_measured"] == 1 and row["episodes_vs_first"] == 1.0
+    assert row["phases"]["timing/update_actor"] == row["update_s"] and "timing/sync_weights" in row["phases"]
     printed = capsys.readouterr().out
     assert "default done: | default | " in printed
