@@ -76,6 +76,72 @@ def _zero_weight_micro(batch: TrainBatch, rows: torch.Tensor) -> TrainBatch:
     return micro
 
 
+class MiniBatchStep:
+    """The gradients of one optimizer step, accumulated micro-batch by micro-batch, and the stats they logged.
+
+    With the mini-batch's loss units on all ranks known up front (`total_units`), each micro-batch's loss is
+    weighted by its share of them. A streamed update (`async_training.streaming_update`) gets its rows as their
+    groups finish, so the total is known only at the end: each loss is then weighted by its own units and `finish`
+    divides the summed gradients (and stats) by the total, which is the same gradient."""
+
+    def __init__(self, micro_loss: MicroLoss, loss_agg_mode: str, total_units: float | None = None) -> None:
+        self.micro_loss = micro_loss
+        self.mode = loss_agg_mode
+        self.total_units = total_units
+        self.units = 0.0
+        self.stats_sum: dict[str, float] = {}
+        self.stats_max: dict[str, float] = {}
+
+    def add(self, micros: list[TrainBatch]) -> None:
+        ranks = world_size()
+        for micro in micros:
+            units = loss_units(micro.response_mask, self.mode)
+            weight = units / max(self.total_units, 1.0) if self.total_units is not None else units
+            loss, stats = self.micro_loss(micro)
+            (loss * weight * ranks).backward()
+            self.units += units
+            for key, value in stats.items():
+                if key.endswith("_max"):
+                    self.stats_max[key] = max(self.stats_max.get(key, value), value)
+                else:
+                    self.stats_sum[key] = self.stats_sum.get(key, 0.0) + value * weight
+
+    def finish(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, prefix: str, on_step
+    ) -> torch.Tensor:
+        """Clip and take the optimizer step (skipped on a non-finite norm); returns the gradient norm."""
+        if self.total_units is None:
+            total = max(all_reduce_sum(self.units), 1.0)
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.grad.div_(total)
+            self.stats_sum = {key: value / total for key, value in self.stats_sum.items()}
+        grad_norm = _clip_grad_norm(model, grad_clip)
+        if torch.isfinite(grad_norm):
+            if on_step is not None:
+                on_step()
+            optimizer.step()
+        else:
+            log.warning("%s: non-finite grad norm %s; optimizer step skipped", prefix, grad_norm.item())
+        return grad_norm
+
+
+def split_micros(
+    batch: TrainBatch, rows: torch.Tensor, section: Any, remove_padding: bool
+) -> list[TrainBatch]:
+    """`rows` of `batch` in micro-batches, as many on every rank (zero-weight ones pad the ranks with fewer)."""
+    micros = split_micro_batches(
+        batch,
+        rows,
+        micro_batch_size=section.ppo_micro_batch_size_per_gpu,
+        use_dynamic_bsz=section.use_dynamic_bsz,
+        max_token_len=section.ppo_max_token_len_per_gpu,
+        remove_padding=remove_padding,
+    )
+    count = all_reduce_max_int(len(micros))
+    return micros + [_zero_weight_micro(batch, rows) for _ in range(count - len(micros))]
+
+
 def run_ppo_updates(
     batch: TrainBatch,
     micro_loss: MicroLoss,
@@ -98,52 +164,43 @@ def run_ppo_updates(
     non-finite gradient skipped a step. Every rank returns the same numbers.
     """
     model.train()
-    ranks = world_size()
-    stats_sum: dict[str, float] = {}
-    stats_max: dict[str, float] = {}
-    grad_norm_sum = 0.0
-    steps = skipped = 0
+    steps: list[tuple[MiniBatchStep, torch.Tensor]] = []
     num_minis = max(1, train_batch_size // section.ppo_mini_batch_size)
     mode = getattr(section, "loss_agg_mode", "token-mean")
     for _ in range(section.ppo_epochs):
         for rows in split_mini_batches(len(batch), num_minis, generator, shuffle):
             optimizer.zero_grad(set_to_none=True)
-            micros = split_micro_batches(
-                batch,
-                rows,
-                micro_batch_size=section.ppo_micro_batch_size_per_gpu,
-                use_dynamic_bsz=section.use_dynamic_bsz,
-                max_token_len=section.ppo_max_token_len_per_gpu,
-                remove_padding=remove_padding,
-            )
-            count = all_reduce_max_int(len(micros))
-            micros += [_zero_weight_micro(batch, rows) for _ in range(count - len(micros))]
+            micros = split_micros(batch, rows, section, remove_padding)
             total_units = all_reduce_sum(sum(loss_units(m.response_mask, mode) for m in micros))
-            for micro in micros:
-                weight = loss_units(micro.response_mask, mode) / max(total_units, 1.0)
-                loss, stats = micro_loss(micro)
-                (loss * weight * ranks).backward()
-                for key, value in stats.items():
-                    if key.endswith("_max"):
-                        stats_max[key] = max(stats_max.get(key, value), value)
-                    else:
-                        stats_sum[key] = stats_sum.get(key, 0.0) + value * weight
-            grad_norm = _clip_grad_norm(model, section.grad_clip)
-            steps += 1
-            if torch.isfinite(grad_norm):
-                if on_optimizer_step is not None:
-                    on_optimizer_step()
-                optimizer.step()
-                grad_norm_sum += float(grad_norm)
-            else:
-                skipped += 1
-                log.warning("%s: non-finite grad norm %s; optimizer step skipped", prefix, grad_norm.item())
+            step = MiniBatchStep(micro_loss, mode, total_units)
+            step.add(micros)
+            steps.append((step, step.finish(model, optimizer, section.grad_clip, prefix, on_optimizer_step)))
+    return finish_update(steps, optimizer=optimizer, scheduler=scheduler, prefix=prefix)
+
+
+def finish_update(
+    steps: list[tuple[MiniBatchStep, torch.Tensor]],
+    *,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    prefix: str,
+) -> dict[str, float]:
+    """After the optimizer steps of one update: free the gradients, step the LR schedule, reduce the metrics."""
     # Gradients are not needed until the next update: free them for the rollout.
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    metrics = {key: value / max(steps, 1) for key, value in all_reduce_sum_dict(stats_sum).items()}
+    stats_sum: dict[str, float] = {}
+    stats_max: dict[str, float] = {}
+    for step, _ in steps:
+        for key, value in step.stats_sum.items():
+            stats_sum[key] = stats_sum.get(key, 0.0) + value
+        for key, value in step.stats_max.items():
+            stats_max[key] = max(stats_max.get(key, value), value)
+    norms = [float(norm) for _, norm in steps if torch.isfinite(norm)]
+    skipped = len(steps) - len(norms)
+    metrics = {key: value / max(len(steps), 1) for key, value in all_reduce_sum_dict(stats_sum).items()}
     metrics.update(all_reduce_max_dict(stats_max))
-    metrics[f"{prefix}/grad_norm"] = grad_norm_sum / max(steps - skipped, 1)
+    metrics[f"{prefix}/grad_norm"] = sum(norms) / max(len(norms), 1)
     metrics[f"{prefix}/lr"] = scheduler.get_last_lr()[0]
     if skipped:
         metrics[f"{prefix}/skipped_steps"] = float(skipped)  # a count of optimizer steps, not averaged

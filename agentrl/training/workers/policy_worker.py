@@ -49,7 +49,13 @@ from agentrl.training.parallel.model_state import (
 )
 from agentrl.training.update.assembly import TrainBatch
 from agentrl.training.update.forward import compute_log_probs
-from agentrl.training.update.ppo_update import BEHAVIOUR_WEIGHTS, run_ppo_updates
+from agentrl.training.update.ppo_update import (
+    BEHAVIOUR_WEIGHTS,
+    MiniBatchStep,
+    finish_update,
+    run_ppo_updates,
+    split_micros,
+)
 
 if TYPE_CHECKING:
     from agentrl.config import AgentRLConfig
@@ -128,6 +134,8 @@ class PolicyWorker:
             and not arr.actor.fsdp_config.param_offload
         )
         self.generator = torch.Generator().manual_seed(config.trainer.seed)
+        self._streamed: MiniBatchStep | None = None
+        """The streamed update in progress (`accumulate_actor`), if any."""
         self.rollout = None
         from agentrl.rollout.serving.embedded import compiles_decode
 
@@ -384,6 +392,35 @@ class PolicyWorker:
         if self.device.type == "cuda":  # peak since the worker started, on this rank's device (verl's names)
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
             metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+        return metrics
+
+    def accumulate_actor(self, chunk: TrainBatch) -> None:
+        """A streamed update (`async_training.streaming_update`): the gradients of `chunk`, rows of groups that have
+        finished while the rest of the step's batch is collected, added to those of the chunks before; the optimizer
+        step waits for `finish_actor_update`."""
+        cfg = self.config.actor_rollout_ref
+        if self._streamed is None:
+            self.actor.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            self._streamed = MiniBatchStep(self._actor_loss, cfg.actor.loss_agg_mode)
+        rows = torch.arange(len(chunk))
+        self._streamed.add(split_micros(chunk, rows, cfg.actor, cfg.model.use_remove_padding))
+
+    def finish_actor_update(self) -> dict[str, float]:
+        """The streamed update's one optimizer step over every chunk accumulated, and its metrics (those of
+        `update_actor` for one epoch of one mini-batch)."""
+        if self._streamed is None:
+            raise RuntimeError("finish_actor_update before any accumulate_actor: nothing to update on")
+        step, self._streamed = self._streamed, None
+        on_step = self._optimizer_state_to_device if self.optimizer_offload else None
+        norm = step.finish(
+            self.actor, self.optimizer, self.config.actor_rollout_ref.actor.grad_clip, "actor", on_step
+        )
+        metrics = finish_update(
+            [(step, norm)], optimizer=self.optimizer, scheduler=self.scheduler, prefix="actor"
+        )
+        if self.optimizer_offload:
+            _move_optimizer_state(self.optimizer, torch.device("cpu"))
         return metrics
 
     def _mfu(self, batch: TrainBatch, seconds: float) -> dict[str, float]:

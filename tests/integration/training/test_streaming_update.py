@@ -1,0 +1,40 @@
+"""A streamed update (`async_training.streaming_update`): chunks of rows accumulated as their groups finish, then
+one optimizer step, give the update of the whole batch at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrl.config import load_config
+from agentrl.training.workers.policy_worker import PolicyWorker
+from tests.integration.training.test_policy_worker import BASE, _batch
+
+
+def _worker(overrides: list[str] = ()) -> PolicyWorker:
+    torch.manual_seed(0)
+    return PolicyWorker(load_config(BASE + list(overrides)), total_steps=4, device="cpu")
+
+
+@pytest.mark.parametrize("chunks", [[[0, 1], [2, 3]], [[2], [0, 3, 1]]], ids=["by-micro-batch", "uneven"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_chunks_accumulated_then_one_step_equal_the_whole_batchs_update(chunks, mode):
+    overrides = [f"actor_rollout_ref.actor.loss_agg_mode={mode}", "actor_rollout_ref.actor.grad_clip=0.05"]
+    whole, streamed = _worker(overrides), _worker(overrides)
+    batch = _batch(whole.tokenizer_pad_id())
+    expected = whole.update_actor(batch)
+    for rows in chunks:
+        streamed.accumulate_actor(batch.select(torch.tensor(rows), trim=True))
+    got = streamed.finish_actor_update()
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/entropy"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    assert expected["actor/grad_norm"] > 0.05  # clipped: the division by the total precedes the clip
+    # Adam's first step is about lr * sign(gradient): a gradient near 0 turns float noise into up to lr * 1e-2.
+    for (name, a), b in zip(whole.actor.named_parameters(), streamed.actor.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-4, rtol=0), name
+    assert streamed.optimizer.state_dict()["state"][0]["step"] == 1
+
+
+def test_finishing_with_nothing_accumulated_is_an_error():
+    with pytest.raises(RuntimeError, match="before any accumulate_actor"):
+        _worker().finish_actor_update()
