@@ -289,6 +289,46 @@ def _check_stale_prefixes(cfg: AgentRLConfig) -> list[str]:
     return []
 
 
+GROUP_WISE_ESTIMATORS = ("grpo", "rloo")
+"""Advantage estimators that compare a task's episodes with each other only: a group's advantages are final once it
+finishes, which a streamed update needs (the others normalise over the whole batch or need the critic)."""
+
+
+def _check_streaming_update(cfg: AgentRLConfig) -> list[str]:
+    """async_training.streaming_update: an asynchronous run whose update is one optimizer step on group-wise
+    advantages, with nothing computed over the whole batch before it."""
+    run_ahead, actor, algorithm = cfg.async_training, cfg.actor_rollout_ref.actor, cfg.algorithm
+    if not run_ahead.streaming_update:
+        return []
+    needs = [
+        (
+            run_ahead.enable and run_ahead.staleness_threshold > 0,
+            f"async_training.enable=true and staleness_threshold > 0 (got enable={str(run_ahead.enable).lower()}, "
+            f"staleness_threshold={run_ahead.staleness_threshold}): it trains while the batch is collected",
+        ),
+        (
+            algorithm.adv_estimator in GROUP_WISE_ESTIMATORS,
+            f"algorithm.adv_estimator in {list(GROUP_WISE_ESTIMATORS)} (got {algorithm.adv_estimator}): a "
+            f"group's advantages must be final when it finishes",
+        ),
+        (
+            actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= cfg.data.train_batch_size,
+            f"one optimizer step an update: actor.ppo_epochs=1 and ppo_mini_batch_size >= data.train_batch_size "
+            f"(got {actor.ppo_epochs} and {actor.ppo_mini_batch_size} for {cfg.data.train_batch_size})",
+        ),
+        (
+            not algorithm.use_kl_in_reward and algorithm.rollout_correction.tis_mode is None,
+            "algorithm.use_kl_in_reward=false and rollout_correction.tis_mode=null: both need the whole batch's "
+            "log-probs before the update",
+        ),
+        (
+            not (cfg.agent.rejection_sample.enable and cfg.agent.rejection_sample.multiplier > 1),
+            "agent.rejection_sample.multiplier=1 when it is enabled: refill rounds decide the batch only at its end",
+        ),
+    ]
+    return [f"async_training.streaming_update=true needs {what}" for ok, what in needs if not ok]
+
+
 def _check_train_temperature(cfg: AgentRLConfig) -> list[str]:
     """rollout.temperature > 0: the trainer divides its logits by it (the policy the engine sampled from)."""
     if cfg.actor_rollout_ref.rollout.temperature > 0.0:
@@ -329,6 +369,7 @@ CROSS_FIELD_CHECKS: tuple[Callable[[AgentRLConfig], list[str]], ...] = (
     _check_train_temperature,
     _check_bypass,
     _check_stale_prefixes,
+    _check_streaming_update,
     _check_sft_stop,
 )
 """Every cross-field rule, in the order problems are reported."""

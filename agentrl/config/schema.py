@@ -285,6 +285,8 @@ class AsyncTrainingConfig(_Section):
     """New weights reach the engines at once, between two decode steps, and episodes in flight go on with them; the batches asked for are collected at once, sharing agent.n_parallel_tasks. false collects them one after another, and a push waits for the batch being collected to end."""
     reuse_stale_prefixes: bool = False
     """The embedded engine keeps an agent's parked history (its keys and values) across up to staleness_threshold weight pushes instead of prefilling it again under the new weights."""
+    streaming_update: bool = False
+    """The update starts on a step's groups as they finish (gradients accumulated a micro-batch at a time, one optimizer step once the last is in) instead of waiting for its slowest episode: the same update, for group-wise advantages (grpo, rloo) with one epoch of one mini-batch and no KL in the reward."""
 
 
 # ---------------------------------------------------------------------------------------------- root

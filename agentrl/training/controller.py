@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -309,7 +309,11 @@ class Controller:
             timing: dict[str, float] = {}
             with _timer(timing, "step"):
                 with _timer(timing, "gen"):
-                    episodes, kept = self.next_training_episodes(step)
+                    if self.streams_update:
+                        episodes, kept, streamed_share = self.stream_training_episodes(step, timing)
+                        timing["async/streamed_share"] = streamed_share
+                    else:
+                        episodes, kept = self.next_training_episodes(step)
                 if self.pipeline is not None:
                     timing.update(self.pipeline.last_batch_timing)
                 # Asynchronous: the engine and the gateway worked on this batch while earlier steps trained, so
@@ -333,7 +337,7 @@ class Controller:
                 }
                 batch = self.assemble(kept, metrics)
                 if batch is not None:
-                    metrics.update(self.update(batch, timing))
+                    metrics.update(self.update(batch, timing, streamed=self.streams_update))
                     write_step_advantages(kept, batch)
                     if warning := collapse_warning(metrics, self.vocab_size, step):
                         log.warning(warning)
@@ -393,8 +397,12 @@ class Controller:
                 2 * episodes,
             )
         self._requested_through = self.global_step
+
+        def collect(on_group: Callable[[list[Episode]], None]):
+            return self.collect_training_episodes_async(on_group if run_ahead.streaming_update else None)
+
         return RolloutPipeline(
-            self.collect_training_episodes_async,
+            collect,
             self.runner.get_loop(),
             partial_rollout=run_ahead.partial_rollout,
         )
@@ -419,6 +427,11 @@ class Controller:
         this step's last episodes finish and while it trains."""
         if self.pipeline is None:
             return self.collect_training_episodes()
+        self._request_through(step)
+        return self.pipeline.take()
+
+    def _request_through(self, step: int) -> None:
+        """Ask the pipeline for this step's batch and those it may collect ahead (`next_training_episodes`)."""
         if self._requested_through < step:
             self.pipeline.request()
             self._requested_through = step
@@ -427,10 +440,62 @@ class Controller:
             if ahead > self._requested_through:
                 self.pipeline.request()
                 self._requested_through = ahead
-        return self.pipeline.take()
 
-    def update(self, batch: TrainBatch, timing: dict[str, float]) -> dict[str, float]:
-        """Log-probs, values, advantages, critic and actor updates, weight sync; returns their metrics."""
+    @property
+    def streams_update(self) -> bool:
+        """`async_training.streaming_update` in an asynchronous run (the config checks say when it is allowed)."""
+        return self.pipeline is not None and self.config.async_training.streaming_update
+
+    def stream_training_episodes(
+        self, step: int, timing: dict[str, float]
+    ) -> tuple[list[Episode], list[Episode], float]:
+        """This step's episodes as `next_training_episodes` gives them, its actor gradients accumulated meanwhile:
+        the kept episodes of each group that finishes go into the update (`accumulate_actor`) a micro-batch of
+        rows per rank at a time, while the batch's slowest episodes still run; the last ones once it is complete.
+        Also returns the share of the rows accumulated before the batch's last group finished."""
+        self._request_through(step)
+        size = self.config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu * self.policy.size
+        chunk: list[Episode] = []
+        started: list[tuple[float, int]] = []  # each chunk's start and rows
+        last_group = 0.0
+        timing["timing/stream_actor"] = 0.0
+        for arrived, group in self.pipeline.parts():
+            last_group = arrived
+            chunk += group
+            if len(chunk) >= size:
+                started.append((time.perf_counter(), self._accumulate(chunk, timing)))
+                chunk = []
+        episodes, kept = self.pipeline.take()
+        started.append((time.perf_counter(), self._accumulate(chunk, timing)))
+        early = sum(rows for start, rows in started if start < last_group)
+        return episodes, kept, early / max(sum(rows for _, rows in started), 1)
+
+    def _accumulate(self, episodes: list[Episode], timing: dict[str, float]) -> int:
+        """Reference log-probs (KL loss) and advantages of `episodes`' rows, whole groups, then their gradients
+        (their seconds added to `timing/stream_actor`); returns the rows."""
+        start = time.perf_counter()
+        try:
+            return self._accumulate_rows(episodes)
+        finally:
+            timing["timing/stream_actor"] += time.perf_counter() - start
+
+    def _accumulate_rows(self, episodes: list[Episode]) -> int:
+        batch, _ = self._to_batch(episodes) if episodes else (None, None)
+        if batch is None:
+            return 0
+        balance = self.config.actor_rollout_ref.actor.use_dynamic_bsz
+        if self.config.actor_rollout_ref.actor.use_kl_loss:
+            batch["ref_log_probs"] = self.policy.dispatch(
+                "compute_ref_log_prob", batch, balance_tokens=balance
+            )
+        batch["advantages"], batch["returns"] = self._advantages(batch)
+        self.policy.dispatch("accumulate_actor", batch, balance_tokens=balance)
+        return len(batch)
+
+    def update(self, batch: TrainBatch, timing: dict[str, float], streamed: bool = False) -> dict[str, float]:
+        """Log-probs, values, advantages, critic and actor updates, weight sync; returns their metrics.
+        `streamed`: the actor's gradients were accumulated as the batch came in (`stream_training_episodes`): its
+        optimizer step is left, and the advantages are recomputed (group by group, the same) for the metrics."""
         cfg = self.config
         metrics: dict[str, float] = {}
         if self.pipeline is None:  # the engine keeps generating while an asynchronous step trains
@@ -443,7 +508,7 @@ class Controller:
         if "old_log_probs" in batch.tensors:  # rollout_corr/* metrics; behaviour weights when tis_mode is set
             correction = cfg.algorithm.rollout_correction
             metrics.update(attach_behaviour_weights(batch, correction.tis_mode, correction.tis_cap))
-        if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        if (cfg.actor_rollout_ref.actor.use_kl_loss and not streamed) or cfg.algorithm.use_kl_in_reward:
             with _timer(timing, "ref"):
                 batch["ref_log_probs"] = self.policy.dispatch(
                     "compute_ref_log_prob", batch, balance_tokens=balance
@@ -463,22 +528,15 @@ class Controller:
             with _timer(timing, "values"):
                 batch["values"] = self.critic.dispatch("compute_values", batch, balance_tokens=balance)
         with _timer(timing, "adv"):
-            stepwise = cfg.agent.stepwise_advantage
-            result = compute_batch_advantages(
-                batch,
-                estimator=cfg.algorithm.adv_estimator,
-                gamma=cfg.algorithm.gamma,
-                lam=cfg.algorithm.lam,
-                norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-                stepwise_mode=stepwise.mode if stepwise.enable else None,
-                normalize_by_steps=stepwise.normalize_by_steps,
-            )
-            batch["advantages"], batch["returns"] = result.advantages, result.returns
+            batch["advantages"], batch["returns"] = self._advantages(batch)
         if self.critic is not None:
             with _timer(timing, "update_critic"):
                 metrics.update(self.critic.dispatch("update_critic", batch, balance_tokens=balance))
         with _timer(timing, "update_actor"):
-            metrics.update(self.policy.dispatch("update_actor", batch, balance_tokens=balance))
+            if streamed:
+                metrics.update(self.policy.call_first("finish_actor_update"))
+            else:
+                metrics.update(self.policy.dispatch("update_actor", batch, balance_tokens=balance))
         if self.pipeline is None:
             with _timer(timing, "wake_rollout"):
                 self.policy.call("wake_rollout")
@@ -489,6 +547,21 @@ class Controller:
             self.served_version = int(synced.get("rollout/policy_version", 0))
         metrics.update(compute_batch_metrics(batch))
         return metrics
+
+    def _advantages(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages, returns) of `batch` (`algorithm.*`, `agent.stepwise_advantage`)."""
+        cfg = self.config
+        stepwise = cfg.agent.stepwise_advantage
+        result = compute_batch_advantages(
+            batch,
+            estimator=cfg.algorithm.adv_estimator,
+            gamma=cfg.algorithm.gamma,
+            lam=cfg.algorithm.lam,
+            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+            stepwise_mode=stepwise.mode if stepwise.enable else None,
+            normalize_by_steps=stepwise.normalize_by_steps,
+        )
+        return result.advantages, result.returns
 
     def needs_old_log_probs(self) -> bool:
         """False when the update is on-policy (one epoch, one mini-batch, no KL in the reward): the actor's
@@ -508,32 +581,61 @@ class Controller:
     def next_tasks(self, prefix: str = "train") -> list[Task]:
         return rows_to_tasks(next(self.loader), prefix)
 
-    async def run_episodes(self, tasks: list[Task], n: int, mode: str, desc: str) -> list[Episode]:
-        """Collect `n` rollouts per task and score them; failed rollouts are kept, unscored."""
+    async def run_episodes(
+        self,
+        tasks: list[Task],
+        n: int,
+        mode: str,
+        desc: str,
+        on_group: Callable[[list[Episode]], None] | None = None,
+    ) -> list[Episode]:
+        """Collect `n` rollouts per task, each scored as it finishes; failed rollouts are kept, unscored.
+        `on_group` gets each task's n episodes once the last of them is scored."""
         bar = progress_bar(desc, len(tasks) * n)
-        episodes = await self.collector.collect(
-            self.flow, tasks, n, mode=mode, on_episode=lambda _e: bar.update(1)
-        )
-        bar.close()
         by_id = {t.id: t for t in tasks}
-        for episode in episodes:
+        finished: dict[str, list[Episode]] = {}
+
+        def score(episode: Episode) -> None:
+            bar.update(1)
             if episode.termination_reason != TerminationReason.ERROR:
                 score_episode(self.evaluator, by_id[episode.task_id], episode)
             elif episode.error:
                 log.warning("rollout %s failed: %s", episode.id, episode.error.strip().splitlines()[-1])
+            group = finished.setdefault(episode.task_id, [])
+            group.append(episode)
+            if on_group is not None and len(group) == n:
+                on_group(group)
+
+        episodes = await self.collector.collect(self.flow, tasks, n, mode=mode, on_episode=score)
+        bar.close()
         return episodes
 
     def collect_training_episodes(self) -> tuple[list[Episode], list[Episode]]:
         """All episodes of this step, and those kept for training (`collect_training_episodes_async`)."""
         return self._run(self.collect_training_episodes_async())
 
-    async def collect_training_episodes_async(self) -> tuple[list[Episode], list[Episode]]:
+    async def collect_training_episodes_async(
+        self, on_group: Callable[[list[Episode]], None] | None = None
+    ) -> tuple[list[Episode], list[Episode]]:
         """All episodes of this step, and those kept for training.
 
         With rejection sampling, rounds of new tasks are drawn until data.train_batch_size tasks survive the
         filters (partially solved ones under mode=solve_partial) or agent.rejection_sample.multiplier rounds ran.
         Episodes left out get their `filter_reason` (the tasks beyond the batch of a refill round: batch_full).
+        `on_group` (a streamed update; one round only) gets the kept episodes of each task as its group finishes.
         """
+        if on_group is not None:
+            kept_by_group: list[Episode] = []
+
+            def filtered(group: list[Episode]) -> None:
+                group = self.filter_episodes(group)
+                kept_by_group.extend(group)
+                on_group(group)
+
+            episodes = await self.run_episodes(
+                self.next_tasks(), self.n, "train", "rollout", on_group=filtered
+            )
+            return episodes, kept_by_group
         reject = self.config.agent.rejection_sample
         rounds = reject.multiplier if reject.enable else 1
         all_episodes: list[Episode] = []
@@ -580,12 +682,7 @@ class Controller:
         return episodes
 
     def assemble(self, episodes: list[Episode], metrics: dict[str, float]) -> TrainBatch | None:
-        stepwise = self.config.agent.stepwise_advantage
-        merge = not (stepwise.enable and stepwise.mode == "per_step")
-        max_length = self.config.data.max_prompt_length + self.config.data.max_response_length
-        rows, stats = episodes_to_rows(
-            episodes, merge_steps=merge, max_length=max_length * self.config.agent.max_steps
-        )
+        batch, stats = self._to_batch(episodes)
         metrics.update(
             {
                 "batch/kept_episodes": float(len(episodes)),
@@ -593,15 +690,26 @@ class Controller:
                 "batch/excluded_steps": float(stats.excluded_steps),
             }
         )
-        if not rows:
+        if batch is None:
             log.warning(
                 "step %d: no trainable rows (all filtered or failed); skipping the update",
                 self.global_step + 1,
             )
-            return None
+        return batch
+
+    def _to_batch(self, episodes: list[Episode]):
+        """The training rows of `episodes` as a batch (None when there are none), and how their steps merged."""
+        stepwise = self.config.agent.stepwise_advantage
+        merge = not (stepwise.enable and stepwise.mode == "per_step")
+        max_length = self.config.data.max_prompt_length + self.config.data.max_response_length
+        rows, stats = episodes_to_rows(
+            episodes, merge_steps=merge, max_length=max_length * self.config.agent.max_steps
+        )
+        if not rows:
+            return None, stats
         vision = self.config.data.return_multi_modal_inputs
         processor = load_image_processor(self.config.actor_rollout_ref.model.path) if vision else None
-        return rows_to_batch(rows, pad_token_id=self.stack.pad_token_id, image_processor=processor)
+        return rows_to_batch(rows, pad_token_id=self.stack.pad_token_id, image_processor=processor), stats
 
     def validate(self) -> dict[str, float]:
         val = self.config.actor_rollout_ref.rollout.val_kwargs

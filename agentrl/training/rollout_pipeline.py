@@ -10,6 +10,10 @@ go to the engines at once after an update (an episode in flight goes on with the
 With `partial_rollout=false` batches are collected one after another and a weight push waits for the batch in
 collection to end, so no batch mixes two versions.
 
+A collection may hand over parts of its batch as they are ready (`collect(on_part)`: a task's group of episodes
+once all of them finished); `parts()` yields those of the oldest batch as they come, so a streamed update
+(`async_training.streaming_update`) trains on them while the batch's slowest episodes still run.
+
 Nothing is asked for past the next checkpoint or validation step, so the pipeline is empty there: a checkpoint
 holds exactly the batches trained, and the dataloader and collector state it saves are those of the last step.
 """
@@ -18,28 +22,39 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 
+_BATCH_END = object()
+"""What `parts()` finds in a batch's queue once its collection ended (done, failed or cancelled)."""
+
+
 class RolloutPipeline(Generic[T]):
-    """Runs `collect()` once per `request()` on `loop`, which a background thread drives while the pipeline is
-    open; `take()` returns the results in request order. Collections start in request order (so each batch's
-    first tasks are drawn in order); `run` is how other coroutines reach the loop meanwhile."""
+    """Runs `collect(on_part)` once per `request()` on `loop`, which a background thread drives while the pipeline
+    is open; `take()` returns the results in request order, `parts()` what the oldest batch handed over so far.
+    Collections start in request order (so each batch's first tasks are drawn in order); `run` is how other
+    coroutines reach the loop meanwhile."""
 
     def __init__(
-        self, collect: Callable[[], Awaitable[T]], loop: asyncio.AbstractEventLoop, *, partial_rollout: bool
+        self,
+        collect: Callable[[Callable[[Any], None]], Awaitable[T]],
+        loop: asyncio.AbstractEventLoop,
+        *,
+        partial_rollout: bool,
     ) -> None:
         self._collect = collect
         self._loop = loop
         self.partial_rollout = partial_rollout
-        self._pending: deque[tuple[concurrent.futures.Future[T], list[float]]] = deque()
-        """Each batch asked for, with the clock at its collection's start and end (filled as it runs)."""
+        self._pending: deque[tuple[concurrent.futures.Future[T], list[float], queue.SimpleQueue]] = deque()
+        """Each batch asked for, with the clock at its collection's start and end (filled as it runs) and the
+        parts it handed over."""
         self.last_batch_timing: dict[str, float] = {}
         """The batch `take` returned last: `async/batch_collect_s`, its collection's start to end (the wait on its
         slowest episode included), and `async/batch_head_start_s`, how long it had been collected when `take` was
@@ -60,13 +75,30 @@ class RolloutPipeline(Generic[T]):
         if self._closed:
             raise RuntimeError("the rollout pipeline is closed")
         times: list[float] = []
-        self._pending.append((asyncio.run_coroutine_threadsafe(self._collect_one(times), self._loop), times))
+        parts: queue.SimpleQueue = queue.SimpleQueue()
+
+        def on_part(part: Any) -> None:
+            parts.put((time.perf_counter(), part))
+
+        future = asyncio.run_coroutine_threadsafe(self._collect_one(times, on_part), self._loop)
+        future.add_done_callback(lambda _: parts.put(_BATCH_END))
+        self._pending.append((future, times, parts))
+
+    def parts(self) -> Iterator[tuple[float, Any]]:
+        """The parts the oldest batch asked for hands over, each with the clock when it was handed over, as they
+        come, until its collection ends (`take` then returns it, or raises its error)."""
+        if not self._pending:
+            raise RuntimeError("parts() with no batch asked for")
+        parts = self._pending[0][2]
+        while (part := parts.get()) is not _BATCH_END:
+            yield part
+        parts.put(_BATCH_END)  # a second call ends at once
 
     def take(self) -> T:
         """The oldest batch asked for, waiting until it is collected; its collection error is raised here."""
         if not self._pending:
             raise RuntimeError("take() with no batch asked for")
-        future, times = self._pending.popleft()
+        future, times, _ = self._pending.popleft()
         asked = time.perf_counter()
         result = future.result()
         self.last_batch_timing = {
@@ -90,7 +122,7 @@ class RolloutPipeline(Generic[T]):
         """Cancel the batches not taken, wait up to `wait_s` for them to stop, and hand the loop back (the
         thread stops driving it)."""
         self._closed = True
-        futures = [future for future, _ in self._pending]
+        futures = [future for future, _, _ in self._pending]
         for future in futures:
             future.cancel()
         concurrent.futures.wait(futures, timeout=wait_s)
@@ -99,19 +131,19 @@ class RolloutPipeline(Generic[T]):
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=wait_s)
 
-    async def _collect_one(self, times: list[float]) -> T:
+    async def _collect_one(self, times: list[float], on_part: Callable[[Any], None]) -> T:
         if self.partial_rollout:
-            return await self._timed_collect(times)
+            return await self._timed_collect(times, on_part)
         if self._one_at_a_time is None:
             self._one_at_a_time = asyncio.Lock()
         async with self._one_at_a_time:  # FIFO: batches in request order
             with self._batch_lock:  # blocks the loop only while a push runs: no other batch is collected then
-                return await self._timed_collect(times)
+                return await self._timed_collect(times, on_part)
 
-    async def _timed_collect(self, times: list[float]) -> T:
+    async def _timed_collect(self, times: list[float], on_part: Callable[[Any], None]) -> T:
         times.append(time.perf_counter())
         try:
-            return await self._collect()
+            return await self._collect(on_part)
         finally:
             times.append(time.perf_counter())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -181,3 +182,51 @@ def test_bypass_mode_clips_stale_batches_against_the_engines_log_probs(tmp_path:
     assert (
         "agent.n_parallel_tasks=6 (by default the engines' max_num_seqs) holds less than two" in caplog.text
     )
+
+
+_calls = itertools.count()
+
+
+@agent_flow
+async def every_second_task_slow(task, ctx):
+    """One model call, then a tool that takes 1 s for every second task of a batch (its two episodes are started
+    one after the other): each batch has a group that finishes early and one that finishes late."""
+    reply = await ctx.client.chat.completions.create(model=ctx.model, messages=list(task["prompt"]))
+    await asyncio.sleep(1.0 if (next(_calls) // 2) % 2 else 0.02)
+    return reply.choices[0].message.content or ""
+
+
+def test_a_streamed_update_trains_the_groups_that_finished_while_the_rest_run(tmp_path: Path, rows):
+    """`async_training.streaming_update`: the early group of every batch goes into the update while the late one
+    still waits on its tool; the step's one optimizer step follows the late group."""
+    run_dir = tmp_path / "run"
+    overrides = [
+        "actor_rollout_ref.model.path=tiny:qwen2-mini",
+        "data.train_batch_size=2",
+        "data.shuffle=false",
+        "actor_rollout_ref.rollout.n=2",
+        "data.max_response_length=6",
+        "trainer.total_training_steps=4",
+        "trainer.logger=[console]",
+        f"trainer.default_local_dir={run_dir}",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "trainer.val_before_train=false",
+        "async_training.enable=true",
+        "async_training.staleness_threshold=1",
+        "async_training.streaming_update=true",
+        "algorithm.rollout_correction.bypass_mode=true",
+    ]
+    AgentTrainer(
+        flow=every_second_task_slow, evaluator=odd_length, train_dataset=rows, config=overrides
+    ).train()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    history = [r for r in map(json.loads, filter(None, lines)) if "timing/step" in r]
+    assert [r["step"] for r in history] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in history)
+    assert all(r["batch/rows"] == 4 and r["async/staleness_max"] <= 1.0 for r in history)
+    # The first batch's early group trained while its late group waited on its tool (a second): half its rows.
+    # Later batches start a step ahead, so both of a batch's groups may be done when its step begins (0).
+    shares = [r["async/streamed_share"] for r in history]
+    assert shares[0] == 0.5 and set(shares) <= {0.0, 0.5}, shares
+    assert all(0 < r["timing/stream_actor"] < r["timing/gen"] for r in history)

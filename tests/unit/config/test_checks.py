@@ -148,6 +148,35 @@ from agentrl.config import validate_config
             },
             ["actor_rollout_ref.rollout.name=vllm: only the embedded engine keeps prefixes"],
         ),
+        (
+            {"async_training.streaming_update": True},
+            ["async_training.streaming_update=true needs async_training.enable=true", "enable=false"],
+        ),
+        (
+            {
+                "async_training.streaming_update": True,
+                "async_training.enable": True,
+                "algorithm.adv_estimator": "reinforce_plus_plus",
+            },
+            ["streaming_update=true needs algorithm.adv_estimator in ['grpo', 'rloo'] (got reinforce_plus_plus)"],
+        ),
+        (
+            {
+                "async_training.streaming_update": True,
+                "async_training.enable": True,
+                "actor_rollout_ref.actor.ppo_epochs": 2,
+            },
+            ["streaming_update=true needs one optimizer step an update: actor.ppo_epochs=1", "(got 2 and"],
+        ),
+        (
+            {
+                "async_training.streaming_update": True,
+                "async_training.enable": True,
+                "agent.rejection_sample.enable": True,
+                "agent.rejection_sample.multiplier": 3,
+            },
+            ["streaming_update=true needs agent.rejection_sample.multiplier=1"],
+        ),
     ],
 )
 def test_broken_rule_names_keys_and_fix(problems_for, dotted, fragments):

@@ -28,7 +28,7 @@ def _pipeline(collect, *, partial_rollout: bool) -> tuple[RolloutPipeline, async
 def test_batches_come_back_in_order_and_errors_reach_take():
     counter = iter(range(100))
 
-    async def collect():
+    async def collect(_on_part):
         value = next(counter)
         await asyncio.sleep(0.05 * (4 - value))  # later batches finish first
         if value == 2:
@@ -52,7 +52,7 @@ def test_with_partial_rollouts_a_batch_starts_while_the_one_before_is_still_coll
     slow tool, say); without partial rollouts batch 1 starts only after batch 0 ends."""
     release, events, index = threading.Event(), [], iter(range(2))
 
-    async def collect():
+    async def collect(_on_part):
         i = next(index)
         events.append(f"start {i}")
         while i == 0 and not release.is_set():
@@ -73,7 +73,7 @@ def test_with_partial_rollouts_a_batch_starts_while_the_one_before_is_still_coll
 
 
 def test_other_coroutines_reach_the_loop_through_the_pipeline_and_the_runner_gets_it_back_at_close():
-    async def collect():
+    async def collect(_on_part):
         await asyncio.sleep(0.2)
         return "batch"
 
@@ -92,7 +92,7 @@ def test_other_coroutines_reach_the_loop_through_the_pipeline_and_the_runner_get
 def test_without_partial_rollouts_a_weight_push_waits_for_the_batch_in_collection():
     started, release = threading.Event(), threading.Event()
 
-    async def collect():
+    async def collect(_on_part):
         started.set()
         while not release.is_set():
             await asyncio.sleep(0.01)
@@ -119,7 +119,7 @@ def test_each_batch_taken_reports_its_collection_time_and_its_head_start():
     """`async/batch_collect_s` is the batch's own collection (0.3 s here), `async/batch_head_start_s` how long it
     had run when `take` was called: the second batch, asked for with the first, had a 0.2 s head start more."""
 
-    async def collect():
+    async def collect(_on_part):
         await asyncio.sleep(0.3)
         return "batch"
 
@@ -138,5 +138,38 @@ def test_each_batch_taken_reports_its_collection_time_and_its_head_start():
     assert (
         second["async/batch_head_start_s"] > second["async/batch_collect_s"]
     )  # it was whole before asked for
+    pipeline.close()
+    runner.close()
+
+
+def test_parts_of_the_oldest_batch_come_as_they_are_handed_over_and_end_with_it():
+    """A streamed update reads a batch's groups while the batch is still collected: each part as it comes, the
+    next batch's parts not mixed in, and the end of the batch (done or failed) ends the parts."""
+    release = threading.Event()
+    index = iter(range(2))
+
+    async def collect(on_part):
+        i = next(index)
+        on_part(f"{i}a")
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        on_part(f"{i}b")
+        if i == 1:
+            raise ValueError("batch 1 failed")
+        return i
+
+    pipeline, runner = _pipeline(collect, partial_rollout=True)
+    pipeline.request()
+    pipeline.request()
+    parts = pipeline.parts()
+    first_at, first = next(parts)
+    assert first == "0a"  # before the batch is done
+    release.set()
+    [(second_at, second)] = list(parts)
+    assert second == "0b" and first_at < second_at and list(pipeline.parts()) == []
+    assert pipeline.take() == 0
+    assert [part for _, part in pipeline.parts()] == ["1a", "1b"]
+    with pytest.raises(ValueError, match="batch 1 failed"):
+        pipeline.take()
     pipeline.close()
     runner.close()
