@@ -158,7 +158,9 @@ from agentrl.config import validate_config
                 "async_training.enable": True,
                 "algorithm.adv_estimator": "reinforce_plus_plus",
             },
-            ["streaming_update=true needs algorithm.adv_estimator in ['grpo', 'rloo'] (got reinforce_plus_plus)"],
+            [
+                "streaming_update=true needs algorithm.adv_estimator in ['grpo', 'rloo'] (got reinforce_plus_plus)"
+            ],
         ),
         (
             {
