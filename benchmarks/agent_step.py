@@ -92,6 +92,7 @@ OPTIONAL_METRICS = {
     "continuation_fallbacks": ("gateway/continuation_fallbacks",),
     "staleness_mean": ("async/staleness_mean",),
     "staleness_max": ("async/staleness_max",),
+    "streamed_share": ("async/streamed_share",),
 }
 """Row field -> the metric names it is read from, the first present winning (None when none is)."""
 FAILED_REASONS = ("error", "timeout", "max_prompt_length_exceeded")
@@ -396,6 +397,7 @@ COLUMNS = [
     ("failed", "failed_share", 3),
     ("staleness mean", "staleness_mean", 2),
     ("staleness max", "staleness_max", 0),
+    ("streamed", "streamed_share", 2),
 ]
 
 
