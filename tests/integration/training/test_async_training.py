@@ -51,7 +51,7 @@ def _versions(run_dir: Path, step_number: int) -> list[int]:
     ]
 
 
-def _train(run_dir: Path, rows, *extra: str) -> list[dict]:
+def _train(run_dir: Path, rows, *extra: str, flow=two_turns_with_a_slow_tool) -> list[dict]:
     overrides = [
         "actor_rollout_ref.model.path=tiny:qwen2-mini",
         "data.train_batch_size=2",
@@ -69,9 +69,7 @@ def _train(run_dir: Path, rows, *extra: str) -> list[dict]:
         *extra,
     ]
     random.seed(0)
-    AgentTrainer(
-        flow=two_turns_with_a_slow_tool, evaluator=odd_length, train_dataset=rows, config=overrides
-    ).train()
+    AgentTrainer(flow=flow, evaluator=odd_length, train_dataset=rows, config=overrides).train()
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, filter(None, lines)) if "timing/step" in r]
 
@@ -199,31 +197,19 @@ async def every_second_task_slow(task, ctx):
 def test_a_streamed_update_trains_the_groups_that_finished_while_the_rest_run(tmp_path: Path, rows):
     """`async_training.streaming_update`: the early group of every batch goes into the update while the late one
     still waits on its tool; the step's one optimizer step follows the late group."""
-    run_dir = tmp_path / "run"
-    overrides = [
-        "actor_rollout_ref.model.path=tiny:qwen2-mini",
-        "data.train_batch_size=2",
-        "data.shuffle=false",
-        "actor_rollout_ref.rollout.n=2",
-        "data.max_response_length=6",
-        "trainer.total_training_steps=4",
-        "trainer.logger=[console]",
-        f"trainer.default_local_dir={run_dir}",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "trainer.val_before_train=false",
+    history = _train(
+        tmp_path / "run",
+        rows,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",  # a group's two rows make a micro-batch
         "async_training.enable=true",
         "async_training.staleness_threshold=1",
         "async_training.streaming_update=true",
         "algorithm.rollout_correction.bypass_mode=true",
-    ]
-    AgentTrainer(
-        flow=every_second_task_slow, evaluator=odd_length, train_dataset=rows, config=overrides
-    ).train()
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    history = [r for r in map(json.loads, filter(None, lines)) if "timing/step" in r]
+        flow=every_second_task_slow,
+    )
     assert [r["step"] for r in history] == [1, 2, 3, 4]
-    assert all(math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0 for r in history)
+    assert all(math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["actor/grad_norm"]) for r in history)
+    assert max(r["actor/grad_norm"] for r in history) > 0  # a step whose two groups tie in reward has none
     assert all(r["batch/rows"] == 4 and r["async/staleness_max"] <= 1.0 for r in history)
     # The first batch's early group trained while its late group waited on its tool (a second): half its rows.
     # Later batches start a step ahead, so both of a batch's groups may be done when its step begins (0).

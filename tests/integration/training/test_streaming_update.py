@@ -10,6 +10,8 @@ from agentrl.config import load_config
 from agentrl.training.workers.policy_worker import PolicyWorker
 from tests.integration.training.test_policy_worker import BASE, _batch
 
+pytestmark = pytest.mark.slow
+
 
 def _worker(overrides: list[str] = ()) -> PolicyWorker:
     torch.manual_seed(0)
