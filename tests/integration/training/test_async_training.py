@@ -194,13 +194,18 @@ async def every_second_task_slow(task, ctx):
     return reply.choices[0].message.content or ""
 
 
-def test_a_streamed_update_trains_the_groups_that_finished_while_the_rest_run(tmp_path: Path, rows):
+@pytest.mark.parametrize("ranks", [0, 2], ids=["local", "ray-2-ranks"])
+def test_a_streamed_update_trains_the_groups_that_finished_while_the_rest_run(tmp_path: Path, rows, ranks):
     """`async_training.streaming_update`: the early group of every batch goes into the update while the late one
-    still waits on its tool; the step's one optimizer step follows the late group."""
+    still waits on its tool; the step's one optimizer step follows the late group. On two FSDP ranks every chunk
+    is split between them, each with as many micro-batches, and the gradients divided by both ranks' total."""
+    backend = ["trainer.backend=ray", f"trainer.n_gpus_per_node={ranks}"] if ranks else []
     history = _train(
         tmp_path / "run",
         rows,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",  # a group's two rows make a micro-batch
+        *backend,
+        # A group's two rows make a chunk: a micro-batch on one rank, one row each on two.
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={2 // max(ranks, 1)}",
         "async_training.enable=true",
         "async_training.staleness_threshold=1",
         "async_training.streaming_update=true",
