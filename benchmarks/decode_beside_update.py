@@ -48,13 +48,8 @@ class Decoding:
     def __init__(
         self, engine: EmbeddedEngine, rows: int, prompt_len: int, answer_len: int, vocab: int
     ) -> None:
-        self.engine, self.rows, self.prompt_len, self.answer_len, self.vocab = (
-            engine,
-            rows,
-            prompt_len,
-            answer_len,
-            vocab,
-        )
+        self.engine, self.rows, self.vocab = engine, rows, vocab
+        self.prompt_len, self.answer_len = prompt_len, answer_len
         self.times: list[list[float]] = [[] for _ in range(rows)]
         self.loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()
@@ -73,7 +68,6 @@ class Decoding:
             turn += 1
 
     async def _main(self) -> None:
-        self._stop = asyncio.Event()
         await asyncio.gather(*(self._row(row) for row in range(self.rows)))
 
     def window(self, start: float, end: float) -> dict[str, float]:

@@ -480,7 +480,7 @@ class Controller:
             timing["timing/stream_actor"] += time.perf_counter() - start
 
     def _accumulate_rows(self, episodes: list[Episode]) -> int:
-        batch, _ = self._to_batch(episodes) if episodes else (None, None)
+        batch, _ = self._to_batch(episodes)
         if batch is None:
             return 0
         balance = self.config.actor_rollout_ref.actor.use_dynamic_bsz
