@@ -79,7 +79,16 @@ class _IncrementalText:
 
 
 async def _merge(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
-    """Events of several engine streams as they come: (stream number, event)."""
+    """Events of several engine streams as they come: (stream number, event). One stream (every chat request,
+    most completions) is read directly: a task and a queue between it and the response would cost each decode
+    step's event two more turns of the event loop, which shares the host with the engine."""
+    if len(streams) == 1:
+        try:
+            async for event in streams[0]:
+                yield 0, event
+        finally:  # a client gone mid-answer: the engine stream's own cleanup cancels its request now
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 

@@ -3,6 +3,7 @@
 import asyncio
 import copy
 import json
+import time
 
 import httpx
 import openai
@@ -138,6 +139,27 @@ def test_streaming_completions(server):
         model="tiny", prompt="Count", max_tokens=10, temperature=0, stream=True
     )
     assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
+
+
+def test_a_client_that_leaves_a_stream_frees_its_engine_row(model, tokenizer):
+    """A streamed answer whose client goes away after its first chunk stops generating: its row leaves the engine
+    long before the 1,900 tokens it asked for (one lost client costs one row, not the engine's time)."""
+    engine, handle = _serve(model, tokenizer, max_model_len=2048)
+    try:
+        body = {"model": "tiny", "prompt": "Count", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", handle.url + "/v1/completions", json=body, timeout=30) as response:
+            first = next(line for line in response.iter_lines() if line.startswith("data:"))
+            assert json.loads(first[5:])["choices"][0]["finish_reason"] is None
+            assert engine.stats()["running"] == 1
+        deadline = time.monotonic() + 10
+        while engine.stats()["running"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = engine.stats()
+        assert stats["running"] == 0 and stats["waiting"] == 0
+        assert stats["tokens_generated"] < 1000
+    finally:
+        handle.stop()
+        engine.close()
 
 
 def test_tool_call_round_trip_history(server, tokenizer):
