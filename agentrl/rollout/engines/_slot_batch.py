@@ -315,6 +315,7 @@ class SlotBatch:
         parts = computed_in_parts or [0] * len(prompts)
         plan = _AdmissionPlan()
         first_of: dict[tuple[int, ...], int] = {}
+        matches: dict[int, PrefixMatch | None] = {}
         for i, prompt in enumerate(prompts):
             self.counters["prompt_tokens"] += len(prompt)
             key = tuple(keys[i])
@@ -324,11 +325,19 @@ class SlotBatch:
                 continue
             first_of[key] = i
             known = hashes[i] if hashes is not None and images[i] is None and not self.images else None
-            match = self.prefixes.longest(keys[i], hashes=known) if self.prefix_caching else None
+            matches[i] = self.prefixes.longest(keys[i], hashes=known) if self.prefix_caching else None
+        # Every match is found before any slot is claimed, and all of them are spared while another slot will
+        # do: claiming one at a time evicted parked prefixes that later prompts of the same admission were to
+        # copy from, and those waited for a second forward (a serve wave of 32: 1-2 rows a wave).
+        plan.sources = {match.slot for match in matches.values() if match is not None}
+        for i, match in matches.items():
+            if match is not None and match.whole and self.prefixes.held(match.slot) != match.length:
+                # Taken by an earlier prompt of this admission: its positions 0..length-1 still hold the
+                # prefix until the prefill (every copy runs before it), so copy instead of taking it over.
+                match = PrefixMatch(match.slot, match.length, whole=False)
             slot, copy = self._claim_slot(match, plan.sources)
             if copy is not None:
                 plan.copies_before.append(copy)
-                plan.sources.add(copy[0])
             start = match.length if match is not None else 0
             self.counters["prefix_hit_tokens"] += start - min(start, parts[i])
             plan.prefill[i] = (slot, start)

@@ -242,3 +242,38 @@ def test_a_full_engine_reuses_the_slot_a_partial_match_copies_from(model, tokeni
         assert _gap(model, rewritten, out) < 1e-4
     finally:
         engine.close()
+
+
+def test_next_turns_admitted_together_into_a_full_engine_all_reuse_their_histories(model, tokenizer):
+    """Every slot parked, four next turns that rewrite their last tokens (each extends part of its own parked
+    history, so each needs a new slot) admitted together: every slot is evicted for them, yet each still copies
+    its history, none computed again (claiming slots one prompt at a time evicted histories later prompts of the
+    same admission were to copy from)."""
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=4, max_model_len=256)
+
+    def opening(i):
+        messages = [{"role": "system", "content": f"{i} {i} {i}: " + "you answer in numbers only. " * 3}]
+        return tokenizer.apply_chat_template(messages + [{"role": "user", "content": f"What is {i}+{i}?"}])[
+            "input_ids"
+        ]
+
+    async def together(prompts):
+        calls = [
+            engine.generate(p, SamplingParams(temperature=1.0, max_tokens=6, seed=i))
+            for i, p in enumerate(prompts)
+        ]
+        return [outs[0] for outs in await asyncio.gather(*calls)]
+
+    try:
+        firsts = [opening(i) for i in range(4)]
+        asyncio.run(together(firsts))
+        _wait_for(lambda: engine.stats()["parked_sequences"] == 4)
+        rewritten = [p[:-4] + tokenizer(f" Tell me {i} again.")["input_ids"] for i, p in enumerate(firsts)]
+        before = engine.stats()
+        outs = asyncio.run(together(rewritten))
+        after = engine.stats()
+        assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= sum(len(p) - 4 for p in firsts)
+        assert after["prefills"] - before["prefills"] == 1
+        assert max(_gap(model, p, o) for p, o in zip(rewritten, outs, strict=True)) < 1e-4
+    finally:
+        engine.close()
