@@ -165,8 +165,14 @@ def _with(command: list[str], *overrides: str) -> list[str]:
     [
         [],
         ["async_training.enable=true", "async_training.staleness_threshold=1"],
+        [
+            "async_training.enable=true",
+            "async_training.staleness_threshold=1",
+            "async_training.streaming_update=true",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",  # one optimizer step a batch, as streaming needs
+        ],
     ],
-    ids=["sync", "async"],
+    ids=["sync", "async", "async-streamed"],
 )
 def test_sigkill_after_a_logged_step_leaves_every_step_once(tmp_path, mode):
     """Killed (SIGKILL) in step 4 after step 3 was logged, checkpoint at 2: the rerun redoes step 3, and
