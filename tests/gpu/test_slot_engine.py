@@ -104,16 +104,19 @@ def test_graph_decoding_logprobs_equal_teacher_forcing_and_a_rerun_draws_the_sam
         assert worst < 1e-3, worst
 
 
-def test_the_decode_step_compiles_when_the_engine_is_built_not_in_the_first_rollout(model):
+def test_the_decode_step_compiles_when_the_engine_is_built_not_in_the_first_rollout(model, caplog):
     """Compiling in the first decode made the first rollouts wait ~60-120 s, counted against agent.timeout (an
-    H100 host timed out every episode of step 1). Built from a cold compiler, the engine compiles at once and
-    frees the cache it used; the first request then only captures a graph."""
+    H100 host timed out every episode of step 1). Built from a cold compiler, the engine compiles its decode and
+    extend steps at once (neither falls back to the plain step) and frees the cache it used; the first request
+    then only captures a graph."""
     torch._dynamo.reset()
     _slot_batch._COMPILED.clear()
     start = time.perf_counter()
-    engine = _engine(model, cuda_graphs=True, compile_decode=True)
+    with caplog.at_level("WARNING", logger=_slot_batch.__name__):
+        engine = _engine(model, cuda_graphs=True, compile_decode=True)
     built = time.perf_counter() - start
     try:
+        assert not [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
         assert engine.stats()["kv_slots"] == 0
         params = SamplingParams(temperature=1.0, max_tokens=16, n=4, seed=1, ignore_eos=True)
         outs = asyncio.run(engine.generate(list(range(10, 40)), params))

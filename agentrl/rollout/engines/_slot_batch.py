@@ -47,9 +47,13 @@ from agentrl.rollout.engines._sampling import as_int64, policy_logprob, sample_o
 from agentrl.rollout.engines._slot_decode import (
     DecodeRegions,
     KVShape,
+    cache_attention,
     decode_inputs,
     decode_step,
+    extend_inputs,
     extend_step,
+    layer_output,
+    layer_projections,
     prefill_slots,
     slot_layer,
     text_config,
@@ -114,7 +118,66 @@ def _next_power_of_two(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
 
 
-_COMPILED: dict[Any, Callable[..., torch.Tensor]] = {}
+_COMPILED: dict[Any, Callable[..., Any]] = {}
+"""(what, backend) -> a compiled function, made once per process: the layer both steps share and each step."""
+
+
+def _compiled(what: str, backend: Any, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    if (what, backend) not in _COMPILED:
+        _COMPILED[what, backend] = make()
+    return _COMPILED[what, backend]
+
+
+def _marked_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`slot_layer` through torch.compile for the decode step, with the sizes that vary marked: the rows (dim 0
+    of every per-row input) and the cache positions read (the mask's last dim, the cache's length)."""
+
+    def make() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        from torch._dynamo import maybe_mark_dynamic
+
+        layer = torch.compile(slot_layer, backend=backend)
+
+        def rows_and_length_marked_layer(
+            module, following, hidden, x, cos, sin, keys, values, positions, visible, *rest
+        ):
+            for tensor in (hidden, x, cos, sin, positions, visible):
+                maybe_mark_dynamic(tensor, 0)
+            maybe_mark_dynamic(visible, 3)  # the cache positions read
+            maybe_mark_dynamic(keys, 2)
+            maybe_mark_dynamic(values, 2)
+            return layer(module, following, hidden, x, cos, sin, keys, values, positions, visible, *rest)
+
+        return rows_and_length_marked_layer
+
+    return _compiled("layer", backend, make)
+
+
+def _split_extend_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`slot_layer` for the extend step: its projections and its output part compiled (the rows symbolic), the
+    cache's part (`cache_attention`) run as it is between them. Compiled whole like the decode step's layer, the
+    graph took the cache and the span read as one size where they had been equal when it was traced, and failed
+    Inductor's input check on an H200 once they differed; outside the graphs the cache's size never matters."""
+
+    def make() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        from torch._dynamo import maybe_mark_dynamic
+
+        projections = torch.compile(layer_projections, backend=backend)
+        output = torch.compile(layer_output, backend=backend)
+
+        def split_layer(
+            module, following, hidden, x, cos, sin, keys, values, positions, visible, head_dim, slots
+        ):
+            for tensor in (hidden, x, cos, sin):
+                maybe_mark_dynamic(tensor, 0)
+            q, k, v = projections(module, x, cos, sin, head_dim)
+            scale = module.self_attn.scaling
+            out = cache_attention(q, k, v, keys, values, positions, visible, scale, slots)
+            maybe_mark_dynamic(out, 0)
+            return output(module, following, hidden, out)
+
+        return split_layer
+
+    return _compiled("extend layer", backend, make)
 
 
 def compiled_decode_step(backend: Any = "inductor") -> Callable[..., torch.Tensor]:
@@ -129,11 +192,11 @@ def compiled_decode_step(backend: Any = "inductor") -> Callable[..., torch.Tenso
     changes (`SlotBatch.compile_now` does that before any request). The marks are `maybe_mark_dynamic`: a size
     the code turns into a constant costs a compile per value instead of failing the compile (a hard mark did,
     and the engine fell back to the plain step)."""
-    if backend not in _COMPILED:
+
+    def make() -> Callable[..., torch.Tensor]:
         from torch._dynamo import maybe_mark_dynamic
 
         inputs = torch.compile(decode_inputs, backend=backend)
-        layer = torch.compile(slot_layer, backend=backend)
 
         def rows_marked_inputs(model, token_ids, positions, rope_offsets, length):
             for tensor in (token_ids, positions, rope_offsets):
@@ -141,19 +204,36 @@ def compiled_decode_step(backend: Any = "inductor") -> Callable[..., torch.Tenso
                     maybe_mark_dynamic(tensor, 0)
             return inputs(model, token_ids, positions, rope_offsets, length)
 
-        def rows_and_length_marked_layer(
-            module, following, hidden, x, cos, sin, keys, values, positions, visible, *rest
-        ):
-            for tensor in (hidden, x, cos, sin, positions, visible):
-                maybe_mark_dynamic(tensor, 0)
-            maybe_mark_dynamic(visible, 3)  # the cache positions read
-            maybe_mark_dynamic(keys, 2)
-            maybe_mark_dynamic(values, 2)
-            return layer(module, following, hidden, x, cos, sin, keys, values, positions, visible, *rest)
+        return functools.partial(
+            decode_step, regions=DecodeRegions(rows_marked_inputs, _marked_layer(backend))
+        )
 
-        regions = DecodeRegions(rows_marked_inputs, rows_and_length_marked_layer)
-        _COMPILED[backend] = functools.partial(decode_step, regions=regions)
-    return _COMPILED[backend]
+    return _compiled("decode", backend, make)
+
+
+def compiled_extend_step(backend: Any = "inductor") -> Callable[..., torch.Tensor]:
+    """`extend_step` with its inputs and the parts of each decoder layer around the cache compiled
+    (`_split_extend_layer`): Inductor fuses the ~880 small kernels (norms, rotary, residuals, casts) that made two
+    fifths of an extend graph's replay at the agent step's shapes (docs/benchmarks.md). The rows and the cache
+    span are symbolic; the width is not, so the engine pads every compiled extend to `EXTEND_MAX_TOKENS` (next
+    turns are ~50 tokens: little is padded that was not before) rather than compile once per width."""
+
+    def make() -> Callable[..., torch.Tensor]:
+        from torch._dynamo import maybe_mark_dynamic
+
+        inputs = torch.compile(extend_inputs, backend=backend)
+
+        def rows_marked_inputs(model, token_ids, positions, rope_offsets, span):
+            for tensor in (token_ids, positions, rope_offsets):
+                if tensor is not None:
+                    maybe_mark_dynamic(tensor, 0)
+            return inputs(model, token_ids, positions, rope_offsets, span)
+
+        return functools.partial(
+            extend_step, regions=DecodeRegions(rows_marked_inputs, _split_extend_layer(backend))
+        )
+
+    return _compiled("extend", backend, make)
 
 
 @dataclass
@@ -200,8 +280,9 @@ class SlotBatch:
         prefill_chunk_tokens: int = 8192,
     ) -> None:
         """`prefix_caching`: reuse the keys and values of prompt prefixes already computed (`_prefix_cache.py`).
-        `prefill_chunk_tokens`: the most prompt tokens one prefill forward computes. `compile_decode`: run the decode step through torch.compile (CUDA graphs only): Inductor fuses the
-        ~40 small kernels per layer (norms, rotary, residuals) that keep a graph replay launch-bound."""
+        `prefill_chunk_tokens`: the most prompt tokens one prefill forward computes. `compile_decode`: run the decode and extend steps through torch.compile (CUDA graphs only):
+        Inductor fuses the ~40 small kernels per layer (norms, rotary, residuals) that keep a graph replay
+        launch-bound."""
         self.model = model
         self.shape = KVShape.of(model)
         self.max_slots = max_slots
@@ -209,9 +290,15 @@ class SlotBatch:
         self.device = next(model.parameters()).device
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._decode_step = decode_step
+        self._extend_step = extend_step
         if compile_decode and self.cuda_graphs:
             use_compile_cache(model.config, next(model.parameters()).dtype, self.device)
             self._decode_step = compiled_decode_step()
+            self._extend_step = compiled_extend_step()
+        self._min_extend_width = (
+            EXTEND_MAX_TOKENS if self._extend_step is not extend_step else MIN_EXTEND_WIDTH
+        )
+        """Narrowest extend forward: compiled, one width (each other width would compile again)."""
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.length = 0
@@ -492,7 +579,7 @@ class SlotBatch:
             rows = self._bucket(len(group))
             width = min(
                 EXTEND_MAX_TOKENS,
-                max(MIN_EXTEND_WIDTH, _next_power_of_two(max(len(computed[i]) for i, _ in group))),
+                max(self._min_extend_width, _next_power_of_two(max(len(computed[i]) for i, _ in group))),
             )
             # Built as Python lists, then one tensor each (not a few torch calls per row).
             idle = [[0, 0, 0]] * (rows - len(group))
@@ -531,7 +618,7 @@ class SlotBatch:
         if not self.cuda_graphs:
             moved = (t.to(self.device) for t in inputs)
             offsets = rope_offsets.to(self.device) if self.images else None
-            return extend_step(self.model, self.keys, self.values, *moved, span, offsets).clone()
+            return self._extend_step(self.model, self.keys, self.values, *moved, span, offsets).clone()
         key = ("extend", *tokens.shape, span)
         buffers = self._extend_inputs.get(key[:3])
         if buffers is None:
@@ -543,9 +630,9 @@ class SlotBatch:
 
             def step() -> torch.Tensor:
                 offsets = buffers[4] if self.images else None
-                return extend_step(self.model, self.keys, self.values, *buffers[:4], span, offsets)
+                return self._extend_step(self.model, self.keys, self.values, *buffers[:4], span, offsets)
 
-            self._graphs[key] = self._capture(step, step)
+            self._graphs[key] = self._capture(lambda: self._compiled_or_plain("extend", step), step)
         graph, output = self._graphs[key]
         graph.replay()
         return output.clone()
@@ -957,28 +1044,35 @@ class SlotBatch:
         return graph, output
 
     def _warm_up(self, bucket: int) -> None:
-        """One step outside capture (it compiles the step the first time); a failed compilation falls back to
-        the plain step, loudly, so a machine without a working Triton still decodes under graphs."""
+        """One decode step outside capture (it compiles the step the first time)."""
+        self._compiled_or_plain("decode", lambda: self._step(bucket))
+
+    def _compiled_or_plain(self, step: str, run: Callable[[], object]) -> None:
+        """`run` a step (`decode` or `extend`) outside capture; if its compilation fails, fall back to the plain
+        step, loudly, and run that, so a machine without a working Triton still serves under graphs."""
+        plain = {"decode": decode_step, "extend": extend_step}[step]
         try:
-            self._step(bucket)
+            run()
         except Exception:
-            if self._decode_step is decode_step:
+            if getattr(self, f"_{step}_step") is plain:
                 raise
             logger.warning(
-                "embedded engine: torch.compile of the decode step failed; decoding with the plain step "
+                "embedded engine: torch.compile of the %s step failed; running the plain step "
                 "(set actor_rollout_ref.rollout.compile_decode=false to skip compiling)",
+                step,
                 exc_info=True,
             )
-            self._decode_step = decode_step
-            self._step(bucket)
+            setattr(self, f"_{step}_step", plain)
+            run()
 
     def compile_now(self) -> float:
-        """Compile the decode step before any request arrives; returns the seconds it took (0: nothing to do).
+        """Compile the decode and extend steps before any request arrives; returns the seconds it took (0:
+        nothing to do).
 
         A fresh process compiles on its first decode (13-18 s for a 24-layer model on an H100; 30-80 s when the
         whole step was compiled; all of it Python) while the first rollouts wait, and that wait counted against
-        `agent.timeout`: a slow host timed out every episode of the first step. The step runs on the free slots' placeholders (token 0 at position 0, which no row
-        owns), and the cache it needed is freed again if no row held one. The cache is allocated as `admit`
+        `agent.timeout`: a slow host timed out every episode of the first step. The steps run on placeholders in the
+        free slots (`_extend_placeholder`; a decode step's token 0 at position 0, which no row owns), and the cache it needed is freed again if no row held one. The cache is allocated as `admit`
         allocates it, outside inference mode: the compiled step guards on its inputs' dispatch keys, and a
         cache of inference tensors made the first real decode compile all over again.
         """
@@ -991,11 +1085,32 @@ class SlotBatch:
             # as `decode` and `decode_sampled` run it, and with the attention kernels of `_capture`
             with torch.inference_mode(), cudnn_attention_for_capture():
                 self._warm_up(MIN_BUCKET)
+        # The extend step first over a span shorter than the cache, then over all of it. Traced first with the
+        # two equal, Dynamo gave both one symbol, and the graph then read a longer cache with the span's strides
+        # (Inductor's input check stopped it on an H200).
+        with torch.inference_mode(), cudnn_attention_for_capture():
+            for span in sorted({min(MIN_LENGTH, self.length), self.length}):
+                self._compiled_or_plain("extend", functools.partial(self._extend_placeholder, span))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if not had_cache:
             self.clear()
         return time.perf_counter() - start
+
+    def _extend_placeholder(self, span: int) -> torch.Tensor:
+        """An extend step of `MIN_BUCKET` rows x `EXTEND_MAX_TOKENS` tokens, all at position span-1 of the first
+        slots, which no row owns yet (what `compile_now` compiles the extend step on: at the engine's start). Its
+        inputs are made outside inference mode, as `_extend_call`'s are: the compiled step guards on that."""
+        shape = (MIN_BUCKET, EXTEND_MAX_TOKENS)
+        with torch.inference_mode(False):
+            tokens = torch.zeros(shape, dtype=torch.long, device=self.device)
+            positions = torch.full(shape, min(span, self.length) - 1, dtype=torch.long, device=self.device)
+            slots = torch.arange(MIN_BUCKET, device=self.device)
+            last = torch.zeros(MIN_BUCKET, dtype=torch.long, device=self.device)
+            offsets = torch.zeros(MIN_BUCKET, dtype=torch.long, device=self.device) if self.images else None
+        return self._extend_step(
+            self.model, self.keys, self.values, slots, tokens, positions, last, span, offsets
+        )
 
     # ----- memory ----------------------------------------------------------------------------------
     def _ensure_length(self, needed: int) -> None:

@@ -224,8 +224,9 @@ def decode_inputs(
 
 
 class DecodeRegions(NamedTuple):
-    """The two pieces `decode_step` runs: its inputs (`decode_inputs`) and each decoder layer (`slot_layer`), as
-    plain functions or each compiled once (`compiled_decode_step`)."""
+    """The two pieces `decode_step` (or `extend_step`) runs: its inputs (`decode_inputs`, `extend_inputs`) and
+    each decoder layer (`slot_layer`, both steps), as plain functions or each compiled once
+    (`compiled_decode_step`, `compiled_extend_step`)."""
 
     inputs: Callable[..., tuple[torch.Tensor, ...]]
     layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -288,14 +289,39 @@ def slot_layer(
 
     A function of its own so that torch.compile traces one layer and reuses it for all (every layer has the
     same code; the layer's weights are inputs of the compiled graph): tracing a 24-layer step took 33-71 s in
-    every process (`benchmarks/decode_compile.py`)."""
+    every process (`benchmarks/decode_compile.py`). Its three parts are functions too, so that a compiled extend
+    step compiles the two around the cache and runs the cache's part as it is (`compiled_extend_step`)."""
+    q, k, v = layer_projections(layer, x, cos, sin, head_dim)
+    out = cache_attention(q, k, v, keys, values, positions, visible, layer.self_attn.scaling, slot_ids)
+    return layer_output(layer, following_norm, hidden, out)
+
+
+def layer_projections(
+    layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`slot_layer`'s queries, keys and values of `x` (R, W, H), each (R, heads, W, D), rotated."""
     attn = layer.self_attn
-    rows, width, length = hidden.shape[0], hidden.shape[1], visible.shape[-1]
     q = _rotate(_heads(attn.q_proj(x), head_dim, getattr(attn, "q_norm", None)), cos, sin)
     k = _rotate(_heads(attn.k_proj(x), head_dim, getattr(attn, "k_norm", None)), cos, sin)
-    v = _heads(attn.v_proj(x), head_dim, None)
+    return q, k, _heads(attn.v_proj(x), head_dim, None)
+
+
+def cache_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    slot_ids: torch.Tensor | None,
+) -> torch.Tensor:
+    """`slot_layer`'s part that touches the cache: write the rows' keys and values at their positions, attend
+    over the first `visible.shape[-1]` positions of their slots; the attention's output (R, W, heads x D)."""
+    rows, width, head_dim, length = q.shape[0], q.shape[2], q.shape[3], visible.shape[-1]
     if slot_ids is None:
-        slots = torch.arange(rows, device=hidden.device)
+        slots = torch.arange(rows, device=q.device)
         keys[slots, :, positions] = k[:, :, 0]
         values[slots, :, positions] = v[:, :, 0]
         cached_keys, cached_values = keys[:rows, :, :length], values[:rows, :, :length]
@@ -308,9 +334,16 @@ def slot_layer(
     # Grouped-query attention without repeating keys: a kv head's query heads act as its query rows.
     grouped = q.reshape(rows, keys.shape[1], -1, head_dim)
     attend = decode_attention if slot_ids is None else F.scaled_dot_product_attention
-    out = attend(grouped, cached_keys, cached_values, attn_mask=visible, scale=attn.scaling)
-    out = out.reshape(rows, -1, width, head_dim).transpose(1, 2).reshape(rows, width, -1)
-    hidden = hidden + attn.o_proj(out)
+    out = attend(grouped, cached_keys, cached_values, attn_mask=visible, scale=scale)
+    return out.reshape(rows, -1, width, head_dim).transpose(1, 2).reshape(rows, width, -1)
+
+
+def layer_output(
+    layer: torch.nn.Module, following_norm: torch.nn.Module, hidden: torch.Tensor, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`slot_layer`'s rest after attention: the output projection, the MLP, both residual adds; the residual
+    stream and it through `following_norm`."""
+    hidden = hidden + layer.self_attn.o_proj(out)
     hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     return hidden, following_norm(hidden)
 
@@ -403,7 +436,7 @@ def prefill_slots(
     return model.lm_head(inner.norm(hidden[0].index_select(0, last)))
 
 
-def _extend_inputs(
+def extend_inputs(
     model: torch.nn.Module,
     token_ids: torch.Tensor,
     positions: torch.Tensor,
@@ -414,7 +447,6 @@ def _extend_inputs(
     input norm, the rotary cos and sin (R, 1, W, D) and the attention mask over `span` cache positions, one row
     of keys per query row of a kv head's group (R, 1, groups x W, span)."""
     inner = text_model(model)
-    rows, width = token_ids.shape
     groups = text_config(model).num_attention_heads // KVShape.of(model).kv_heads
     hidden = inner.embed_tokens(token_ids)  # (R, W, H)
     rope = positions if rope_offsets is None else positions + rope_offsets.unsqueeze(1)
@@ -435,6 +467,7 @@ def extend_step(
     last: torch.Tensor,
     span: int,
     rope_offsets: torch.Tensor | None = None,
+    regions: DecodeRegions | None = None,
 ) -> torch.Tensor:
     """Feed token_ids[r] (W tokens) at positions[r] of slot slot_ids[r]; write their keys and values; return the
     logits at token last[r] of each row (R, V). Attention reads cache positions 0..span-1, which must hold every
@@ -444,17 +477,21 @@ def extend_step(
     turn: an observation and the template around it) is one CUDA graph replay instead of an eager forward of
     hundreds of small kernels. Padding tokens (and padding rows) sit at the slot's last cache position, the
     sink no sequence reaches, so what they write is never read. `rope_offsets` (R,) long: as in `decode_step`.
-    Not compiled: compiling it (as the decode step is) took 3.9 instead of 5.8 ms for 8 rows x 64 tokens on an
-    H100, but added ~45 s to the engine's cold start (docs/benchmarks.md).
+    `regions`: the functions that run its parts (default: the plain `extend_inputs` and `slot_layer`;
+    `compiled_extend_step` compiles them, sharing the decode step's compiled layer).
     """
-    hidden, x, cos, sin, mask = _extend_inputs(model, token_ids, positions, rope_offsets, span)
+    regions = regions or PLAIN_EXTEND_REGIONS
+    hidden, x, cos, sin, mask = regions.inputs(model, token_ids, positions, rope_offsets, span)
     head_dim = KVShape.of(model).head_dim
     inner = text_model(model)
     layers = inner.layers
     for index, layer in enumerate(layers):
         following = layers[index + 1].input_layernorm if index + 1 < len(layers) else inner.norm
-        hidden, x = slot_layer(
+        hidden, x = regions.layer(
             layer, following, hidden, x, cos, sin, keys[index], values[index], positions, mask, head_dim,
             slot_ids,
         )  # fmt: skip
     return model.lm_head(x[torch.arange(x.shape[0], device=x.device), last])
+
+
+PLAIN_EXTEND_REGIONS = DecodeRegions(extend_inputs, slot_layer)

@@ -9,8 +9,13 @@ from __future__ import annotations
 import torch
 from torch._dynamo.utils import counters
 
-from agentrl.rollout.engines._slot_batch import SlotBatch, compiled_decode_step
-from agentrl.rollout.engines._slot_decode import decode_step, text_model
+from agentrl.rollout.engines._slot_batch import (
+    EXTEND_MAX_TOKENS,
+    SlotBatch,
+    compiled_decode_step,
+    compiled_extend_step,
+)
+from agentrl.rollout.engines._slot_decode import decode_step, extend_step, text_model
 
 
 def test_one_traced_layer_serves_every_layer_and_nothing_compiles_again(model):
@@ -50,3 +55,41 @@ def test_one_traced_layer_serves_every_layer_and_nothing_compiles_again(model):
     compiled_logits = batch._step(bucket)
     batch._decode_step = decode_step
     torch.testing.assert_close(compiled_logits, batch._step(bucket))
+
+
+def test_the_extend_step_compiles_at_compile_now_and_no_later_shape_compiles_again(model):
+    """The extend step (an agent's next turn over its cached history, under CUDA graphs) is compiled around the
+    cache (no graph reads or writes it): `compile_now` traces it, and then extends of other row counts, spans and
+    cache lengths trace nothing new; the logits and the keys and values written equal the plain step's."""
+    torch._dynamo.reset()
+    counters.clear()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recording(graph: torch.fx.GraphModule, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    batch = SlotBatch(model, max_slots=16, max_model_len=1024, cuda_graphs=False)
+    batch._decode_step = compiled_decode_step(backend=recording)
+    batch._extend_step = compiled_extend_step(backend=recording)
+    assert batch.compile_now() > 0
+    traced = len(graphs)
+    assert traced > 2, "compile_now traced only the decode step's two graphs"  # + the extend step's parts
+    assert not any("index_select" in str(n.target) for g in graphs for n in g.graph.nodes)  # the cache stays out
+
+    batch._ensure_length(1024)
+    generator = torch.Generator().manual_seed(0)
+    for rows, span in ((8, 256), (16, 512), (8, 1024), (16, 1024)):
+        slots = torch.randperm(16, generator=generator)[:rows]
+        tokens = torch.randint(10, 1000, (rows, EXTEND_MAX_TOKENS), generator=generator)
+        start = torch.randint(0, span - EXTEND_MAX_TOKENS, (rows,), generator=generator)
+        positions = start[:, None] + torch.arange(EXTEND_MAX_TOKENS)
+        last = torch.randint(0, EXTEND_MAX_TOKENS, (rows,), generator=generator)
+        inputs = (slots, tokens, positions, last, span)
+        compiled = batch._extend_step(model, batch.keys, batch.values, *inputs)
+        written = [t[slots].clone() for t in (*batch.keys, *batch.values)]
+        plain = extend_step(model, batch.keys, batch.values, *inputs)
+        torch.testing.assert_close(compiled, plain)
+        for before, after in zip(written, (*batch.keys, *batch.values), strict=True):
+            torch.testing.assert_close(before, after[slots])
+    assert len(graphs) == traced, f"{len(graphs) - traced} more graphs traced after compile_now"
