@@ -128,6 +128,22 @@ def _compiled(what: str, backend: Any, make: Callable[[], Callable[..., Any]]) -
     return _COMPILED[what, backend]
 
 
+def _rows_marked_inputs(inputs: Callable[..., tuple], backend: Any) -> Callable[..., tuple]:
+    """A step's inputs function (`decode_inputs`, `extend_inputs`) through torch.compile, its rows marked
+    symbolic on every call."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    compiled = torch.compile(inputs, backend=backend)
+
+    def rows_marked_inputs(model, token_ids, positions, rope_offsets, length):
+        for tensor in (token_ids, positions, rope_offsets):
+            if tensor is not None:
+                maybe_mark_dynamic(tensor, 0)
+        return compiled(model, token_ids, positions, rope_offsets, length)
+
+    return rows_marked_inputs
+
+
 def _marked_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """`slot_layer` through torch.compile for the decode step, with the sizes that vary marked: the rows (dim 0
     of every per-row input) and the cache positions read (the mask's last dim, the cache's length)."""
@@ -194,19 +210,8 @@ def compiled_decode_step(backend: Any = "inductor") -> Callable[..., torch.Tenso
     and the engine fell back to the plain step)."""
 
     def make() -> Callable[..., torch.Tensor]:
-        from torch._dynamo import maybe_mark_dynamic
-
-        inputs = torch.compile(decode_inputs, backend=backend)
-
-        def rows_marked_inputs(model, token_ids, positions, rope_offsets, length):
-            for tensor in (token_ids, positions, rope_offsets):
-                if tensor is not None:
-                    maybe_mark_dynamic(tensor, 0)
-            return inputs(model, token_ids, positions, rope_offsets, length)
-
-        return functools.partial(
-            decode_step, regions=DecodeRegions(rows_marked_inputs, _marked_layer(backend))
-        )
+        regions = DecodeRegions(_rows_marked_inputs(decode_inputs, backend), _marked_layer(backend))
+        return functools.partial(decode_step, regions=regions)
 
     return _compiled("decode", backend, make)
 
@@ -219,19 +224,8 @@ def compiled_extend_step(backend: Any = "inductor") -> Callable[..., torch.Tenso
     turns are ~50 tokens: little is padded that was not before) rather than compile once per width."""
 
     def make() -> Callable[..., torch.Tensor]:
-        from torch._dynamo import maybe_mark_dynamic
-
-        inputs = torch.compile(extend_inputs, backend=backend)
-
-        def rows_marked_inputs(model, token_ids, positions, rope_offsets, span):
-            for tensor in (token_ids, positions, rope_offsets):
-                if tensor is not None:
-                    maybe_mark_dynamic(tensor, 0)
-            return inputs(model, token_ids, positions, rope_offsets, span)
-
-        return functools.partial(
-            extend_step, regions=DecodeRegions(rows_marked_inputs, _split_extend_layer(backend))
-        )
+        regions = DecodeRegions(_rows_marked_inputs(extend_inputs, backend), _split_extend_layer(backend))
+        return functools.partial(extend_step, regions=regions)
 
     return _compiled("extend", backend, make)
 

@@ -6,6 +6,8 @@ cost ~60-80 s more on an H100 host)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch._dynamo.utils import counters
 
@@ -18,10 +20,8 @@ from agentrl.rollout.engines._slot_batch import (
 from agentrl.rollout.engines._slot_decode import decode_step, extend_step, text_model
 
 
-def test_one_traced_layer_serves_every_layer_and_nothing_compiles_again(model):
-    """A recording backend stands in for Inductor (Dynamo's tracing and guards, no code generation): two graphs,
-    the step's inputs and one layer (one attention), are traced at `compile_now`, and never again, for a longer
-    cache and another bucket; the logits equal the plain step's."""
+def _recording_backend() -> tuple[list[torch.fx.GraphModule], Callable]:
+    """Dynamo reset, and a backend that keeps each graph it is given (tracing and guards, no code generation)."""
     torch._dynamo.reset()
     counters.clear()
     graphs: list[torch.fx.GraphModule] = []
@@ -30,6 +30,14 @@ def test_one_traced_layer_serves_every_layer_and_nothing_compiles_again(model):
         graphs.append(graph)
         return graph.forward
 
+    return graphs, recording
+
+
+def test_one_traced_layer_serves_every_layer_and_nothing_compiles_again(model):
+    """A recording backend stands in for Inductor (Dynamo's tracing and guards, no code generation): two graphs,
+    the step's inputs and one layer (one attention), are traced at `compile_now`, and never again, for a longer
+    cache and another bucket; the logits equal the plain step's."""
+    graphs, recording = _recording_backend()
     batch = SlotBatch(model, max_slots=16, max_model_len=1024, cuda_graphs=False)
     batch._decode_step = compiled_decode_step(backend=recording)
     assert batch.compile_now() > 0
@@ -61,14 +69,7 @@ def test_the_extend_step_compiles_at_compile_now_and_no_later_shape_compiles_aga
     """The extend step (an agent's next turn over its cached history, under CUDA graphs) is compiled around the
     cache (no graph reads or writes it): `compile_now` traces it, and then extends of other row counts, spans and
     cache lengths trace nothing new; the logits and the keys and values written equal the plain step's."""
-    torch._dynamo.reset()
-    counters.clear()
-    graphs: list[torch.fx.GraphModule] = []
-
-    def recording(graph: torch.fx.GraphModule, example_inputs):
-        graphs.append(graph)
-        return graph.forward
-
+    graphs, recording = _recording_backend()
     batch = SlotBatch(model, max_slots=16, max_model_len=1024, cuda_graphs=False)
     batch._decode_step = compiled_decode_step(backend=recording)
     batch._extend_step = compiled_extend_step(backend=recording)
