@@ -358,3 +358,38 @@ def test_a_long_prompt_prefilled_in_parts_beside_graph_decoding_is_exact(model, 
         assert worst_logprob_gap(model, [short, long], [[running], [out]]) < 1e-3
     finally:
         engine.close()
+
+
+def test_a_next_turn_after_an_image_through_the_compiled_extend_step_equals_teacher_forcing(caplog):
+    """A vision-language model's next turn continues at its sequence's rotary offset (text after an image sits
+    past its cache index): through the compiled extend step's graph its logprobs still equal a teacher-forced
+    forward with the pixels."""
+    from tests.integration.rollout.test_vision_engine import _image_prompt, _picture
+
+    spec = "tiny:qwen2-vl"
+    model = load_causal_lm(spec, dtype="float32", device="cuda").eval()
+    tokenizer = load_tokenizer(spec)
+    with caplog.at_level("WARNING", logger=_slot_batch.__name__):
+        engine = EmbeddedEngine(model, tokenizer, max_num_seqs=8, max_model_len=256, compile_decode=True)
+    try:
+        first, images = _image_prompt(engine, tokenizer, _picture("purple", (100, 70)), "Name the shape.")
+        params = SamplingParams(temperature=1.0, max_tokens=10, seed=11, ignore_eos=True)
+        turn_1 = asyncio.run(engine.generate(first, params, images=images))[0]
+        words = tokenizer.encode(" and what else is there", add_special_tokens=False)[:6]
+        second = first + turn_1.token_ids + words
+        turn_2 = asyncio.run(engine.generate(second, params, images=images))[0]
+        assert engine.stats()["prefill_extend_tokens"] == len(words) + 1  # turn 1's last token and the words
+        assert not [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+        ids = torch.tensor([second + turn_2.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = model(
+                input_ids=ids,
+                pixel_values=images.pixel_values.cuda(),
+                image_grid_thw=images.image_grid_thw.cuda(),
+                mm_token_type_ids=(ids == model.config.image_token_id).int(),
+            ).logits[0, len(second) - 1 : -1]
+        sampled = torch.tensor(turn_2.token_ids, device="cuda")[:, None]
+        expected = torch.log_softmax(logits.float(), -1).gather(1, sampled)[:, 0].cpu()
+        assert torch.allclose(torch.tensor(turn_2.logprobs), expected, atol=1e-3), (turn_2.logprobs, expected)
+    finally:
+        engine.close()
