@@ -185,7 +185,7 @@ class RolloutConfig(_Section):
     enforce_eager: bool = False
     """Decode without CUDA graphs (the embedded engine captures one per batch bucket on CUDA)."""
     compile_decode: bool | Literal["auto"] = "auto"
-    """torch.compile the embedded engine's decode and extend steps (the extend step prefills an agent's next turn over its cached history) before capturing their CUDA graphs (fuses their small kernels; one decoder layer is compiled and reused for every layer, once, when the engine is built: 10-15 s, 4-5 s with an earlier run's compile cache; falls back to the plain step if compilation fails). `auto`: only for bfloat16/float16 weights, where it halves a decode step and makes an extend forward 1.4x faster; a float32 step is bound by its matrix multiplies and decoded no faster compiled (docs/rollout.md)."""
+    """torch.compile the embedded engine's decode and extend steps (the extend step prefills an agent's next turn over its cached history) before capturing their CUDA graphs (fuses their small kernels; one decoder layer is compiled and reused for every layer, once, when the engine is built: 15-20 s on an H200, 4-5 s with an earlier run's compile cache; falls back to the plain step if compilation fails). `auto`: only for bfloat16/float16 weights, where it halves a decode step and makes an extend forward 1.4x faster; a float32 step is bound by its matrix multiplies and decoded no faster compiled (docs/rollout.md)."""
     draw_on_device: bool = True
     """Embedded engine, slot path: draw plain rows' tokens on the device and launch each decode step before the previous step's tokens reach the host (false: read every step's tokens first)."""
     enable_prefix_caching: bool = True
