@@ -193,7 +193,7 @@ class EmbeddedEngine:
         if isinstance(self._batch, SlotBatch) and self._batch.cuda_graphs:
             seconds = self._batch.compile_now()
             if seconds:
-                logger.info("embedded engine: compiled the decode step in %.1f s", seconds)
+                logger.info("embedded engine: compiled the decode and extend steps in %.1f s", seconds)
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
         self._thread.start()
 
