@@ -95,3 +95,23 @@ def test_the_extend_step_compiles_at_compile_now_and_no_later_shape_compiles_aga
         for before, after in zip(written, (*batch.keys, *batch.values), strict=True):
             torch.testing.assert_close(before, after[slots])
     assert len(graphs) == traced, f"{len(graphs) - traced} more graphs traced after compile_now"
+
+
+def test_a_step_whose_compilation_fails_falls_back_to_the_plain_step_and_says_so(model, caplog):
+    """A machine where compiling fails (no working Triton, a compiler bug) still serves: `compile_now` logs one
+    warning per step that failed and runs the plain decode and extend steps from then on."""
+    torch._dynamo.reset()
+
+    def broken(graph: torch.fx.GraphModule, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    batch = SlotBatch(model, max_slots=16, max_model_len=1024, cuda_graphs=False)
+    batch._decode_step = compiled_decode_step(backend=broken)
+    batch._extend_step = compiled_extend_step(backend=broken)
+    with caplog.at_level("WARNING", logger="agentrl.rollout.engines._slot_batch"):
+        batch.compile_now()
+    failures = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failures) == 2 and "decode step" in failures[0] and "extend step" in failures[1], failures
+    assert batch._decode_step is decode_step and batch._extend_step is extend_step
+    batch.admit([[5, 6, 7, 8]], [3], reserve=64)  # three rows of one prompt
+    assert batch.decode([11] * batch.size).shape[0] == 3
