@@ -274,9 +274,9 @@ class SlotBatch:
         prefill_chunk_tokens: int = 8192,
     ) -> None:
         """`prefix_caching`: reuse the keys and values of prompt prefixes already computed (`_prefix_cache.py`).
-        `prefill_chunk_tokens`: the most prompt tokens one prefill forward computes. `compile_decode`: run the decode and extend steps through torch.compile (CUDA graphs only):
-        Inductor fuses the ~40 small kernels per layer (norms, rotary, residuals) that keep a graph replay
-        launch-bound."""
+        `prefill_chunk_tokens`: the most prompt tokens one prefill forward computes. `compile_decode`: run the
+        decode and extend steps through torch.compile (CUDA graphs only): Inductor fuses the ~40 small kernels
+        per layer (norms, rotary, residuals) that keep a graph replay launch-bound."""
         self.model = model
         self.shape = KVShape.of(model)
         self.max_slots = max_slots
@@ -1065,10 +1065,11 @@ class SlotBatch:
 
         A fresh process compiles on its first decode (13-18 s for a 24-layer model on an H100; 30-80 s when the
         whole step was compiled; all of it Python) while the first rollouts wait, and that wait counted against
-        `agent.timeout`: a slow host timed out every episode of the first step. The steps run on placeholders in the
-        free slots (`_extend_placeholder`; a decode step's token 0 at position 0, which no row owns), and the cache it needed is freed again if no row held one. The cache is allocated as `admit`
-        allocates it, outside inference mode: the compiled step guards on its inputs' dispatch keys, and a
-        cache of inference tensors made the first real decode compile all over again.
+        `agent.timeout`: a slow host timed out every episode of the first step. The steps run on placeholders in
+        the free slots (`_extend_placeholder`; a decode step's token 0 at position 0, which no row owns), and the
+        cache they needed is freed again if no row held one. The cache is allocated as `admit` allocates it,
+        outside inference mode: the compiled step guards on its inputs' dispatch keys, and a cache of inference
+        tensors made the first real decode compile all over again.
         """
         if self._decode_step is decode_step or self._row_slots:
             return 0.0
