@@ -119,7 +119,7 @@ def _next_power_of_two(value: int) -> int:
 
 
 _COMPILED: dict[Any, Callable[..., Any]] = {}
-"""(what, backend) -> a compiled function, made once per process: the layer both steps share and each step."""
+"""(what, backend) -> a compiled function, made once per process: each step and each step's layer."""
 
 
 def _compiled(what: str, backend: Any, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:

@@ -225,8 +225,8 @@ def decode_inputs(
 
 class DecodeRegions(NamedTuple):
     """The two pieces `decode_step` (or `extend_step`) runs: its inputs (`decode_inputs`, `extend_inputs`) and
-    each decoder layer (`slot_layer`, both steps), as plain functions or each compiled once
-    (`compiled_decode_step`, `compiled_extend_step`)."""
+    each decoder layer (`slot_layer`), as plain functions or compiled once (`compiled_decode_step` compiles
+    `slot_layer` whole, `compiled_extend_step` its parts around the cache)."""
 
     inputs: Callable[..., tuple[torch.Tensor, ...]]
     layer: Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -478,7 +478,7 @@ def extend_step(
     hundreds of small kernels. Padding tokens (and padding rows) sit at the slot's last cache position, the
     sink no sequence reaches, so what they write is never read. `rope_offsets` (R,) long: as in `decode_step`.
     `regions`: the functions that run its parts (default: the plain `extend_inputs` and `slot_layer`;
-    `compiled_extend_step` compiles them, sharing the decode step's compiled layer).
+    `compiled_extend_step` compiles them, the layer's parts around the cache only).
     """
     regions = regions or PLAIN_EXTEND_REGIONS
     hidden, x, cos, sin, mask = regions.inputs(model, token_ids, positions, rope_offsets, span)
