@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,6 +23,8 @@ import openai
 from agentrl.flow import AgentFlow, RolloutContext, group_runner
 from agentrl.rollout.client_transform import fast_transform, install_fast_transform
 from agentrl.rollout.flow_client import flow_client, prime_platform
+from agentrl.rollout.flow_job import FlowCall, FlowFailed, FlowSession
+from agentrl.rollout.flow_workers import FlowWorkerPool
 from agentrl.rollout.gateway import refusal_reason
 from agentrl.rollout.http_transport import ShardedHTTPTransport
 from agentrl.rollout.loop_watchdog import LoopLagWatchdog
@@ -76,18 +78,32 @@ class RolloutCollector:
     """Runs rollouts through a gateway and returns one Episode per (task, sample)."""
 
     def __init__(
-        self, backend: SessionHost, model_name: str, limits: CollectorLimits, *, in_process: bool = True
+        self,
+        backend: SessionHost,
+        model_name: str,
+        limits: CollectorLimits,
+        *,
+        in_process: bool = True,
+        num_workers: int = 0,
     ) -> None:
-        """`in_process=False` reaches a gateway this process serves over TCP too (for measurements)."""
+        """`in_process=False` reaches a gateway this process serves over TCP too (for measurements).
+        `num_workers` (`agent.num_workers`): run the flows in that many worker processes (`flow_workers.py`),
+        which reach the gateway over loopback TCP; 0 runs them on this process's event loop. Call `close`."""
         self.backend = backend
         self.model_name = model_name
         self.in_process = in_process
         self.limits = limits
+        self.workers = FlowWorkerPool(num_workers) if num_workers > 0 else None
         self._rounds = 0
         self._gates: dict[int, asyncio.Semaphore] = {}
         self._gates_loop: asyncio.AbstractEventLoop | None = None
         install_fast_transform()
         prime_platform()
+
+    def close(self) -> None:
+        """Stop the flow worker processes, if any (safe to call more than once)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def state_dict(self) -> dict[str, int]:
         """The round counter that session ids (and so sampling seeds) derive from; a checkpoint keeps it."""
@@ -132,7 +148,7 @@ class RolloutCollector:
 
             async def group(task: Task) -> list[Episode]:
                 async with gate:
-                    episodes = await self._group_rollout(flow, run_group, task, n, mode, http, round_id)
+                    episodes = await self._group_rollout(flow, task, n, mode, http, round_id)
                 for episode in episodes if on_episode is not None else ():
                     on_episode(episode)
                 return episodes
@@ -173,7 +189,7 @@ class RolloutCollector:
         for attempt in range(self.limits.retry_limit):
             # Deterministic ids: the gateway derives each call's sampling seed from them (repeatable runs).
             session_id = f"{mode}{round_id}-{task.id}.{sample}.a{attempt}"
-            run = await self._run_session(session_id, mode, http, lambda ctx: flow.run(task, ctx))
+            run = await self._run_session(session_id, mode, http, FlowCall(flow, task))
             episode = self._episode(task, flow.name, run.result, run, run.traces)
             if not run.retryable or attempt == self.limits.retry_limit - 1:
                 break
@@ -184,7 +200,6 @@ class RolloutCollector:
     async def _group_rollout(
         self,
         flow: AgentFlow,
-        run_group,
         task: Task,
         n: int,
         mode: str,
@@ -195,7 +210,7 @@ class RolloutCollector:
         of the call fails all n (and is retried as a whole)."""
         for attempt in range(self.limits.retry_limit):
             session_id = f"{mode}{round_id}-{task.id}.group.a{attempt}"
-            run = await self._run_session(session_id, mode, http, lambda ctx: run_group(task, ctx, n))
+            run = await self._run_session(session_id, mode, http, FlowCall(flow, task, n))
             if run.reason is None and (problem := _group_problem(run.result, run.traces, n)) is not None:
                 run.reason, run.error, run.result = TerminationReason.ERROR, problem, None
             if not run.retryable or attempt == self.limits.retry_limit - 1:
@@ -210,35 +225,30 @@ class RolloutCollector:
             episodes.append(episode)
         return episodes
 
-    async def _run_session(self, session_id: str, mode: str, http: httpx.AsyncClient, body) -> SessionRun:
-        """Run `body(ctx)` in a fresh gateway session; what it returned or why it failed, and the session's traces."""
+    async def _run_session(
+        self, session_id: str, mode: str, http: httpx.AsyncClient, call: FlowCall
+    ) -> SessionRun:
+        """Run `call` in a fresh gateway session (here, or in a flow worker); what it returned or why it failed,
+        and the session's traces."""
         base_url = self.backend.open_session(session_id, mode, max_calls=self.limits.max_steps)
-        ctx = RolloutContext(
-            client=flow_client(base_url, self.limits.timeout, http),
-            model=self.model_name,
-            session_id=session_id,
-            base_url=base_url,
-            max_steps=self.limits.max_steps,
-            mode=mode,
+        session = FlowSession(
+            base_url, self.model_name, session_id, self.limits.max_steps, mode, self.limits.timeout
         )
         run = SessionRun(started=time.perf_counter())
         try:
-            run.result = await asyncio.wait_for(_run_flow(body, ctx), timeout=self.limits.timeout)
+            running = (
+                self.workers.run(call, session)
+                if self.workers is not None
+                else run_flow(call, session.context(flow_client(base_url, self.limits.timeout, http)))
+            )
+            run.result = await asyncio.wait_for(running, timeout=self.limits.timeout)
         except asyncio.TimeoutError:
             run.reason = TerminationReason.TIMEOUT
             run.error = f"rollout exceeded agent.timeout={self.limits.timeout}s"
-        except openai.BadRequestError as exc:
-            run.reason = refusal_reason(exc.code)  # the gateway's refusals, by error.code (never by text)
-            if run.reason is None:
-                run.reason, run.error = TerminationReason.ERROR, f"{exc!r}\n{traceback.format_exc()}"
-        except _RETRYABLE as exc:
-            run.reason, run.error, run.retryable = (
-                TerminationReason.ERROR,
-                f"{exc!r}\n{traceback.format_exc()}",
-                True,
-            )
+        except FlowFailed as failed:  # in a flow worker: classified there (`failure_of`)
+            run.reason, run.error, run.retryable = failed.reason, failed.error, failed.retryable
         except Exception as exc:  # noqa: BLE001 - a failing agent costs one rollout, not the run
-            run.reason, run.error = TerminationReason.ERROR, f"{exc!r}\n{traceback.format_exc()}"
+            run.reason, run.error, run.retryable = failure_of(exc)
         finally:
             run.traces = self.backend.session_traces(session_id)
             run.refused = self.backend.refused_calls(session_id)
@@ -292,13 +302,28 @@ class FlowTimeoutError(Exception):
     """A TimeoutError raised inside the flow (a tool's own deadline): an `error`, not an `agent.timeout`."""
 
 
-async def _run_flow(body: Callable[[RolloutContext], Awaitable[Any]], ctx: RolloutContext) -> Any:
+def failure_of(exc: BaseException) -> tuple[TerminationReason, str | None, bool]:
+    """Why a flow that raised `exc` ended: (termination reason, error text, whether a retry may help). A gateway
+    refusal (`openai.BadRequestError` with its error.code, never by text) keeps its own reason."""
+    if isinstance(exc, openai.BadRequestError) and (reason := refusal_reason(exc.code)) is not None:
+        return reason, None, False
+    return (
+        TerminationReason.ERROR,
+        f"{exc!r}\n{''.join(traceback.format_exception(exc))}",
+        isinstance(exc, _RETRYABLE),
+    )
+
+
+async def run_flow(call: FlowCall, ctx: RolloutContext) -> Any:
+    """`call` on `ctx`: the flow's `run` (or its `run_group` for a group), with the flow's openai calls on the
+    fast request path (client_transform.py)."""
     # asyncio.TimeoutError is the builtin TimeoutError, so without this a flow's own timeout would be
     # taken for `agent.timeout` (and kept for training as a timeout instead of dropped as an error).
     try:
-        # The flow's openai calls skip openai's walk of plain request bodies (client_transform.py).
         with fast_transform():
-            return await body(ctx)
+            if call.n is None:
+                return await call.flow.run(call.task, ctx)
+            return await group_runner(call.flow)(call.task, ctx, call.n)
     except asyncio.TimeoutError as exc:
         raise FlowTimeoutError(f"the flow raised {exc!r} before agent.timeout") from exc
 

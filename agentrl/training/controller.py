@@ -210,6 +210,7 @@ class Controller:
         self.critic = None
         self.cluster = None
         self.stack = None
+        self.collector: RolloutCollector | None = None
         self.tracker = None
         self.rollout_log = None
         self.pipeline: RolloutPipeline | None = None
@@ -258,6 +259,7 @@ class Controller:
                 group_calls=cfg.agent.group_calls,
                 max_n=arr.rollout.max_n_per_request,
             ),
+            num_workers=cfg.agent.num_workers,
         )
         self.n = arr.rollout.n
         if resume_from is not None:  # steps after the checkpoint are redone: their old history goes
@@ -762,6 +764,9 @@ class Controller:
         if self.pipeline is not None:  # a run that failed mid-step: no rollout outlives it
             self.pipeline.close()
             self.pipeline = None
+        if self.collector is not None:
+            self.collector.close()
+            self.collector = None
         for part in (self.stack, self.policy, self.critic, self.cluster):
             if part is not None:
                 part.shutdown()
