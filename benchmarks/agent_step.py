@@ -8,7 +8,8 @@ Each step runs `--tasks` tasks x `--episodes` episodes of a flow that talks to t
 - `--turns` model calls; call t asks for k tokens, k drawn in [`--min-answer`, `--max-answer`], with
   `max_tokens=k` and `extra_body={"min_tokens": k, "ignore_eos": True}`, so answers have the drawn length
   even from random weights;
-- after every call but the last, a tool runs: it sleeps (`--tool-latency zero`: not at all; `longtail`:
+- after every call but the last, a tool runs: `--tool-cpu-ms` of Python first (0 by default: an environment
+  step that holds the flow's event loop), then it sleeps (`--tool-latency zero`: not at all; `longtail`:
   lognormal with median 0.2 s and sigma 0.5, and 2% of calls 4 s) and its ~`--obs-tokens`-token output is
   appended as a user message; the next call re-sends the whole history, with the assistant's reply content
   exactly as returned;
@@ -109,6 +110,7 @@ class Workload:
     obs_tokens: int
     tool_latency: str
     seed: int
+    tool_cpu_ms: float = 0.0
 
 
 class WordText:
@@ -173,6 +175,10 @@ class ToolLoopFlow(AgentFlow):
             messages.append({"role": "assistant", "content": answer})
             if turn == w.turns - 1:
                 break
+            if w.tool_cpu_ms:  # the tool's own Python (an environment step), holding the event loop
+                end = time.perf_counter() + w.tool_cpu_ms / 1000
+                while time.perf_counter() < end:
+                    pass
             delay = tool_delay(w.tool_latency, rng)
             if delay:
                 slept = time.perf_counter()
@@ -341,8 +347,9 @@ def run_config(args: argparse.Namespace, name: str = "default", overrides: list[
     rows, system_tokens = build_rows(args, words)
     max_prompt = prompt_budget(args, words, rows[0]["prompt"])
     workload = Workload(
-        args.turns, args.min_answer, args.max_answer, args.obs_tokens, args.tool_latency, args.seed
-    )
+        args.turns, args.min_answer, args.max_answer, args.obs_tokens, args.tool_latency, args.seed,
+        args.tool_cpu_ms,
+    )  # fmt: skip
     extra = [*args.set, *overrides]
     with tempfile.TemporaryDirectory(prefix="agent_step-") as run_dir:
         result = AgentTrainer(
@@ -432,6 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--obs-tokens", type=int, default=40, help="tokens of one tool observation")
     p.add_argument("--tool-latency", choices=["zero", "longtail"], default="longtail")
     p.add_argument(
+        "--tool-cpu-ms",
+        type=float,
+        default=0.0,
+        help="milliseconds of Python each tool call runs before its latency (blocking the flow's event loop)",
+    )
+    p.add_argument(
         "--micro-batch",
         type=int,
         default=16,
@@ -498,7 +511,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(
         f"\n{args.model} {args.dtype}: {args.tasks} tasks x {args.episodes} episodes x {args.turns} turns, "
         f"answers {args.min_answer}-{args.max_answer} tokens, system ~{rows[0]['system_tokens']} tokens, "
-        f"observations ~{args.obs_tokens} tokens, tools {args.tool_latency}; "
+        f"observations ~{args.obs_tokens} tokens, tools {args.tool_latency}"
+        + (f" + {args.tool_cpu_ms:g} ms of Python" if args.tool_cpu_ms else "")
+        + "; "
         + measured_steps_text(args.steps)
     )
     for line in table_lines(rows):

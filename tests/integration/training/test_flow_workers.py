@@ -71,6 +71,26 @@ def test_flows_in_workers_give_the_episodes_the_trainers_process_gives(stack):  
     assert len(ran_in) == 2  # least-loaded routing spread 6 concurrent rollouts over both workers
 
 
+def test_a_flow_that_blocks_its_event_loop_blocks_only_its_worker(stack):  # noqa: F811
+    @agent_flow
+    async def blocking_tool(task, ctx):
+        time.sleep(0.5)  # a synchronous tool: it holds the event loop it runs on
+        return "done"
+
+    async def timed(workers: int) -> float:
+        collector = RolloutCollector(stack.backend, stack.model_name, CollectorLimits(), num_workers=workers)
+        try:
+            started = time.perf_counter()
+            episodes = await collector.collect(blocking_tool, [Task(id=f"t{i}") for i in range(4)], 1)
+            assert [e.termination_reason for e in episodes] == [TerminationReason.ENV_DONE] * 4
+            return time.perf_counter() - started
+        finally:
+            collector.close()
+
+    assert asyncio.run(timed(0)) >= 2.0  # one event loop: the four tools run one after another
+    assert asyncio.run(timed(4)) < 1.5  # a loop each: together
+
+
 def test_a_failure_in_a_worker_is_classified_as_in_the_trainers_process(stack):  # noqa: F811
     @agent_flow
     async def fails(task, ctx):
