@@ -165,7 +165,8 @@ class RolloutCollector:
             if episode.termination_reason == TerminationReason.TIMEOUT and blocked:
                 episode.error = (
                     f"{episode.error or ''}\nthe event loop was blocked for {watchdog.longest_stall:.1f} s while "
-                    f"{watchdog.flow_name} ran: use async calls or asyncio.to_thread in its run (see the warning)"
+                    f"{watchdog.flow_name} ran: use async calls or asyncio.to_thread in its run, or "
+                    "agent.num_workers (see the warning)"
                 )
             if episode.termination_reason in _COUNTED:
                 record_failure(_COUNTED[episode.termination_reason], episode.error)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import threading
 from multiprocessing.connection import Client, Connection
@@ -38,6 +39,9 @@ CONNECTIONS = 256
 
 
 def main(host: str, port: int, index: int) -> None:
+    # Ctrl-C reaches the whole process group: the trainer stops its workers itself (or they see its
+    # connection close), so a worker does not die mid-rollout with a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Client((host, port), authkey=bytes.fromhex(os.environ.pop(KEY_ENV)))
     conn.send(index)
     prime_platform()

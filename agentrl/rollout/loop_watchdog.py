@@ -76,7 +76,8 @@ class LoopLagWatchdog:
             f"the event loop of rollout collection has been blocked for {stalled:.1f} s while running "
             f"{self.flow_name} (stuck at {where}): every rollout of the step waits meanwhile and may time out. "
             f"A flow's `run` must not block: use async calls (AsyncOpenAI, httpx.AsyncClient, asyncio.sleep) "
-            f"or run blocking work with `await asyncio.to_thread(fn, ...)`"
+            f"or run blocking work with `await asyncio.to_thread(fn, ...)`, or run the flows in worker processes "
+            f"(agent.num_workers=N), where a flow that blocks stalls only its own worker"
         )
 
 
