@@ -66,10 +66,6 @@ class FlowWorkerPool:
         self._flows: dict[int, tuple[Any, bytes]] = {}  # id(flow) -> (the flow, kept alive; its pickle)
         self._workers = self._start(list(range(size)))
 
-    @property
-    def size(self) -> int:
-        return len(self._workers)
-
     def pids(self) -> list[int]:
         return [worker.process.pid for worker in self._workers]
 
@@ -128,10 +124,19 @@ class FlowWorkerPool:
             job = self._jobs
             worker.pending[job] = future
         key = id(call.flow)
-        if key not in worker.flows:
-            worker.send(("flow", key, self._pickled(call.flow)))
-            worker.flows.add(key)
-        worker.send(("run", job, key, cloudpickle.dumps((call.task, call.n)), session))
+        try:
+            if key not in worker.flows:
+                worker.send(("flow", key, self._pickled(call.flow)))
+                worker.flows.add(key)
+            worker.send(("run", job, key, cloudpickle.dumps((call.task, call.n)), session))
+        except OSError as exc:  # it died since it was chosen: its reader marks it, the next run restarts it
+            worker.pending.pop(job, None)
+            raise FlowFailed(
+                TerminationReason.ERROR, f"flow worker {worker.index} is gone: {exc!r}", retryable=True
+            ) from exc
+        except BaseException:
+            worker.pending.pop(job, None)
+            raise
         try:
             return await future
         except asyncio.CancelledError:
