@@ -19,6 +19,7 @@ collector tries them again within `agent.retry_limit`) and is started again for 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import subprocess
@@ -141,7 +142,8 @@ class FlowWorkerPool:
             return await future
         except asyncio.CancelledError:
             if worker.pending.pop(job, None) is not None and worker.alive:
-                worker.send(("cancel", job))
+                with contextlib.suppress(OSError):  # a worker that just died has nothing to cancel
+                    worker.send(("cancel", job))
             raise
 
     def _least_loaded(self) -> _Worker:
@@ -191,10 +193,8 @@ class FlowWorkerPool:
     def close(self) -> None:
         for worker in self._workers:
             if worker.alive:
-                try:
+                with contextlib.suppress(OSError):
                     worker.send(("stop",))
-                except OSError:
-                    pass
         for worker in self._workers:
             try:
                 worker.process.wait(timeout=5)
