@@ -181,7 +181,12 @@ def _alive(pid: int) -> bool:
         return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_a_training_run_runs_its_flows_in_workers_and_leaves_none_behind(tmp_path):
+@pytest.mark.parametrize(
+    "loop",
+    [[], ["async_training.enable=true", "async_training.staleness_threshold=1"]],
+    ids=["sync", "async"],
+)
+def test_a_training_run_runs_its_flows_in_workers_and_leaves_none_behind(tmp_path, loop):
     from agentrl import AgentTrainer, MathAnswerMatch
     from tests.integration.training._short_run import short_run_overrides
 
@@ -194,7 +199,7 @@ def test_a_training_run_runs_its_flows_in_workers_and_leaves_none_behind(tmp_pat
         reply = await ctx.client.chat.completions.create(model=ctx.model, messages=task["prompt"])
         return reply.choices[0].message.content
 
-    config = short_run_overrides(tmp_path / "run", "agent.num_workers=2", "agent.group_calls=false")
+    config = short_run_overrides(tmp_path / "run", "agent.num_workers=2", "agent.group_calls=false", *loop)
     result = AgentTrainer(flow=answers, evaluator=MathAnswerMatch(), config=config).train()
     assert result.global_step == 1
     pids = [int(p.name) for p in ran_in.iterdir()]
