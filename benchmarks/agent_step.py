@@ -144,7 +144,8 @@ def tool_delay(kind: str, rng: random.Random) -> float:
 class ToolLoopFlow(AgentFlow):
     """Model call, tool (sleep + observation), model call, ... `turns` calls; returns the last answer.
 
-    Episode metrics: `tool_wait_s` (measured time in the tool sleeps), `flow_wall_s` (the flow's wall time),
+    Episode metrics: `tool_wait_s` (measured time in the tools: their Python and their sleeps), `flow_wall_s`
+    (the flow's wall time),
     `last_prompt_tokens` and `prompt_tokens_sent` (from the replies' usage).
     """
 
@@ -176,9 +177,10 @@ class ToolLoopFlow(AgentFlow):
             if turn == w.turns - 1:
                 break
             if w.tool_cpu_ms:  # the tool's own Python (an environment step), holding the event loop
-                end = time.perf_counter() + w.tool_cpu_ms / 1000
-                while time.perf_counter() < end:
+                busy = time.perf_counter()
+                while time.perf_counter() < busy + w.tool_cpu_ms / 1000:
                     pass
+                waited += time.perf_counter() - busy
             delay = tool_delay(w.tool_latency, rng)
             if delay:
                 slept = time.perf_counter()
