@@ -145,8 +145,7 @@ class ToolLoopFlow(AgentFlow):
     """Model call, tool (sleep + observation), model call, ... `turns` calls; returns the last answer.
 
     Episode metrics: `tool_wait_s` (measured time in the tools: their Python and their sleeps), `flow_wall_s`
-    (the flow's wall time),
-    `last_prompt_tokens` and `prompt_tokens_sent` (from the replies' usage).
+    (the flow's wall time), `last_prompt_tokens` and `prompt_tokens_sent` (from the replies' usage).
     """
 
     name = "agent_step"
