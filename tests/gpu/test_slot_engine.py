@@ -393,3 +393,61 @@ def test_a_next_turn_after_an_image_through_the_compiled_extend_step_equals_teac
         assert torch.allclose(torch.tensor(turn_2.logprobs), expected, atol=1e-3), (turn_2.logprobs, expected)
     finally:
         engine.close()
+
+
+def test_the_flash_extend_step_is_as_exact_as_the_padded_extend_step_in_bfloat16(model):
+    """Next turns over cached histories in bf16, through `flash_extend_step` (packed, FlashAttention reading the
+    cache in place) and through `extend_step` (padded rows, gathered slots, SDPA with a mask) on copies of one
+    cache: against a float32 forward of each whole sequence, the flash step's logits are no further off than
+    the padded step's (within bf16 rounding of each other), and both write the same keys and values (to bf16 rounding carried through the layers)."""
+    from agentrl.rollout.engines._flash_extend import WIDTH, flash_extend_step, packed_rows
+    from agentrl.rollout.engines._slot_decode import KVShape, extend_step, prefill_slots
+    from agentrl.rollout.engines.flash_attention import FlashRows, flash_cache_attention_supported
+
+    bf16 = load_causal_lm(SHAPE, dtype="bfloat16", device="cuda").eval()
+    bf16.load_state_dict(model.state_dict())
+    device, shape, length = torch.device("cuda"), KVShape.of(bf16), 1024
+    assert flash_cache_attention_supported(device, torch.bfloat16)
+    size = (16, shape.kv_heads, length, shape.head_dim)
+    keys = [torch.zeros(size, dtype=torch.bfloat16, device=device) for _ in range(shape.layers)]
+    values = [torch.zeros_like(k) for k in keys]
+    generator = torch.Generator().manual_seed(0)
+    histories = [
+        torch.randint(10, 5000, (n,), generator=generator).tolist() for n in (300, 517, 811, 129, 640)
+    ]
+    turns = [torch.randint(10, 5000, (n,), generator=generator).tolist() for n in (37, 64, 12, 50, 1)]
+    slots = [3, 0, 9, 15, 7]
+    prefill_slots(bf16, keys, values, slots, [0] * 5, histories)
+    padded_keys, padded_values = [k.clone() for k in keys], [v.clone() for v in values]
+
+    tokens = torch.zeros(5, WIDTH, dtype=torch.long)
+    positions = torch.full((5, WIDTH), length - 1)
+    for i, (history, turn) in enumerate(zip(histories, turns, strict=True)):
+        tokens[i, : len(turn)] = torch.tensor(turn)
+        positions[i, : len(turn)] = torch.arange(len(history), len(history) + len(turn))
+    last = torch.tensor([len(t) - 1 for t in turns])
+    padded = extend_step(
+        bf16, padded_keys, padded_values, torch.tensor(slots, device=device), tokens.to(device),
+        positions.to(device), last.to(device), span=length,
+    )  # fmt: skip
+
+    runs = [(s, len(h), t) for s, h, t in zip(slots, histories, turns, strict=True)]
+    total, bucket = 256, 8
+    inputs, sequences = packed_rows(runs, total, bucket, shape.kv_heads, length, length - 1)
+    where = FlashRows.empty(shape.kv_heads * (bucket + 1), total, length, device)
+    where.fill_(sequences.to(device))
+    ids, flat_positions, token_slots, flat_last = inputs.to(device).split([total, total, total, bucket])
+    shaped = (t.view(-1, WIDTH) for t in (token_slots, ids, flat_positions))
+    flash = flash_extend_step(bf16, keys, values, *shaped, flat_last, where)[:5]
+
+    for i, (history, turn) in enumerate(zip(histories, turns, strict=True)):
+        with torch.no_grad():
+            reference = model(torch.tensor([history + turn], device=device)).logits[0, -1]
+        flash_error = (flash[i].float() - reference).abs().max().item()
+        padded_error = (padded[i].float() - reference).abs().max().item()
+        assert flash_error <= 1.5 * padded_error + 0.05, (i, flash_error, padded_error)
+        at = torch.arange(len(history), len(history) + len(turn), device=device)
+        for mine, theirs in zip((*keys, *values), (*padded_keys, *padded_values), strict=True):
+            apart = (mine[slots[i], :, at].float() - theirs[slots[i], :, at].float()).norm()
+            assert apart <= 1e-2 * theirs[slots[i], :, at].float().norm(), (i, apart)
+    assert not any(cache.isnan().any() for cache in keys + values)

@@ -42,6 +42,13 @@ import torch
 
 from agentrl.models.attention_kernels import cudnn_attention_for_capture
 from agentrl.models.compile_cache import use_compile_cache
+from agentrl.rollout.engines._flash_extend import (
+    WIDTH,
+    flash_cache_part,
+    flash_extend_inputs,
+    flash_extend_step,
+    packed_rows,
+)
 from agentrl.rollout.engines._prefix_cache import PrefixCache, PrefixMatch, shared_prefixes
 from agentrl.rollout.engines._sampling import as_int64, policy_logprob, sample_on_device
 from agentrl.rollout.engines._slot_decode import (
@@ -60,6 +67,7 @@ from agentrl.rollout.engines._slot_decode import (
 )
 from agentrl.rollout.engines._stable_memory import StableMemory, stable_memory
 from agentrl.rollout.engines._staging import PinnedStaging
+from agentrl.rollout.engines.flash_attention import FlashRows, flash_cache_attention_supported
 from agentrl.rollout.engines.vision import (
     ImageInputs,
     ImagePrefill,
@@ -76,7 +84,7 @@ SPAN_STEP = 64
 """Granularity of the cache span an eager decode step reads (`SlotBatch._span`)."""
 SHARED_PREFIX_MIN_GAIN = 32
 """Fewest prompt tokens a shared prefix within one admission must save to be worth a second prefill forward."""
-EXTEND_MAX_TOKENS = 64
+EXTEND_MAX_TOKENS = WIDTH
 """With CUDA graphs, prompts with at most this many tokens left to compute (a next turn over a cached history) go
 through `extend_step`'s graphs; longer ones (and all of them without graphs) through the packed `prefill_slots`."""
 MIN_EXTEND_WIDTH = 16
@@ -116,6 +124,15 @@ def _padded(values: Iterable[int], width: int, fill: int) -> list[int]:
 
 def _next_power_of_two(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
+
+
+def _token_bucket(tokens: int) -> int:
+    """Tokens a `flash_extend_step` graph computes for `tokens` real ones: at least `WIDTH`, else rounded up to
+    an eighth of their power of two (at most 1/8 padding; powers of two padded 650 tokens to 1,024)."""
+    if tokens <= WIDTH:
+        return WIDTH
+    step = max(WIDTH, _next_power_of_two(tokens) // 8)
+    return -(-tokens // step) * step
 
 
 _COMPILED: dict[Any, Callable[..., Any]] = {}
@@ -168,17 +185,22 @@ def _marked_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch.Tenso
     return _compiled("layer", backend, make)
 
 
-def _split_extend_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """`slot_layer` for the extend step: its projections and its output part compiled (the rows symbolic), the
-    cache's part (`cache_attention`) run as it is between them. Compiled whole like the decode step's layer, the
-    graph took the cache and the span read as one size where they had been equal when it was traced, and failed
-    Inductor's input check on an H200 once they differed; outside the graphs the cache's size never matters."""
+def _split_extend_layer(
+    backend: Any, cache_part: Callable[..., torch.Tensor] = cache_attention
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`slot_layer` for the extend steps: its projections and its output part compiled (the rows symbolic), the
+    cache's part (`cache_attention`, or `flash_cache_part` for `flash_extend_step`) run as it is between them;
+    both steps share the compiled parts. Compiled whole like the decode step's layer, the graph took the cache and
+    the span read as one size where they had been equal when it was traced, and failed Inductor's input check on
+    an H200 once they differed; outside the graphs the cache's size never matters."""
 
     def make() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         from torch._dynamo import maybe_mark_dynamic
 
-        projections = torch.compile(layer_projections, backend=backend)
-        output = torch.compile(layer_output, backend=backend)
+        projections = _compiled(
+            "projections", backend, lambda: torch.compile(layer_projections, backend=backend)
+        )
+        output = _compiled("layer output", backend, lambda: torch.compile(layer_output, backend=backend))
 
         def split_layer(
             module, following, hidden, x, cos, sin, keys, values, positions, visible, head_dim, slots
@@ -187,13 +209,13 @@ def _split_extend_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch
                 maybe_mark_dynamic(tensor, 0)
             q, k, v = projections(module, x, cos, sin, head_dim)
             scale = module.self_attn.scaling
-            out = cache_attention(q, k, v, keys, values, positions, visible, scale, slots)
+            out = cache_part(q, k, v, keys, values, positions, visible, scale, slots)
             maybe_mark_dynamic(out, 0)
             return output(module, following, hidden, out)
 
         return split_layer
 
-    return _compiled("extend layer", backend, make)
+    return _compiled(f"extend layer ({cache_part.__name__})", backend, make)
 
 
 def compiled_decode_step(backend: Any = "inductor") -> Callable[..., torch.Tensor]:
@@ -228,6 +250,19 @@ def compiled_extend_step(backend: Any = "inductor") -> Callable[..., torch.Tenso
         return functools.partial(extend_step, regions=regions)
 
     return _compiled("extend", backend, make)
+
+
+def compiled_flash_extend_step(backend: Any = "inductor") -> Callable[..., torch.Tensor]:
+    """`flash_extend_step` with its inputs and the parts of each layer around the cache compiled: the same
+    compiled parts as `compiled_extend_step`'s (its packed tokens are rows of `EXTEND_MAX_TOKENS`)."""
+
+    def make() -> Callable[..., torch.Tensor]:
+        regions = DecodeRegions(
+            _rows_marked_inputs(flash_extend_inputs, backend), _split_extend_layer(backend, flash_cache_part)
+        )
+        return functools.partial(flash_extend_step, regions=regions)
+
+    return _compiled("flash extend", backend, make)
 
 
 @dataclass
@@ -289,6 +324,11 @@ class SlotBatch:
             use_compile_cache(model.config, next(model.parameters()).dtype, self.device)
             self._decode_step = compiled_decode_step()
             self._extend_step = compiled_extend_step()
+        self._flash_step: Callable[..., torch.Tensor] | None = None
+        """`flash_extend_step` (compiled with the others) where FlashAttention reads the cache in place: it
+        replaces `_extend_step` for text prompts (`_flash_extend`)."""
+        if self.cuda_graphs and flash_cache_attention_supported(self.device, self.shape.dtype):
+            self._flash_step = compiled_flash_extend_step() if compile_decode else flash_extend_step
         self._min_extend_width = (
             EXTEND_MAX_TOKENS if self._extend_step is not extend_step else MIN_EXTEND_WIDTH
         )
@@ -499,7 +539,11 @@ class SlotBatch:
         }  # pads to compute go through `prefill_slots`, which reads image features
         long = {i: at for i, at in prefill.items() if i not in short}
         offsets = {i: vision[i].offset if i in vision else 0 for i in prefill}
-        logits = {**self._prefill_chunks(long, computed, vision), **self._extend(short, computed, offsets)}
+        if self._flash_step is not None and not vision:
+            extended = self._flash_extend(short, computed)
+        else:
+            extended = self._extend(short, computed, offsets)
+        logits = {**self._prefill_chunks(long, computed, vision), **extended}
         return logits, offsets
 
     def cached_tokens(self, prompt: list[int], hashes: list[int] | None = None) -> int:
@@ -630,6 +674,57 @@ class SlotBatch:
         graph, output = self._graphs[key]
         graph.replay()
         return output.clone()
+
+    def _flash_extend(
+        self, prefill: dict[int, tuple[int, int]], computed: dict[int, list[int]]
+    ) -> dict[int, torch.Tensor]:
+        """`_extend` through `flash_extend_step`: at most `max_slots` rows a call, their tokens packed and padded
+        once to a power of two, one CUDA graph per (tokens, rows) bucket; each prompt's last logits."""
+        logits: dict[int, torch.Tensor] = {}
+        items = list(prefill.items())
+        for first in range(0, len(items), self.max_slots):
+            group = items[first : first + self.max_slots]
+            real = sum(len(computed[i]) for i, _ in group)
+            tokens, rows = _token_bucket(real), self._bucket(len(group))
+            runs = [(slot, start, computed[i]) for i, (slot, start) in group]
+            inputs, sequences = packed_rows(runs, tokens, rows, self.shape.kv_heads, self.length, self.sink)
+            out, started = self._flash_call(inputs, sequences, tokens, rows)
+            for row, (i, _) in enumerate(group):
+                logits[i] = out[row]
+            self._prefill_done(started, real, "extend")
+        return logits
+
+    def _flash_call(
+        self, inputs: torch.Tensor, sequences: torch.Tensor, tokens: int, rows: int
+    ) -> tuple[torch.Tensor, tuple[float, torch.cuda.Event | None]]:
+        """`flash_extend_step` on `packed_rows`' host tensors, replayed from its (tokens, rows) graph (captured on
+        first use, into buffers kept per shape); its logits and `_prefill_started`'s mark, made just before the
+        replay: the forward's device time is timed, not the host's work before it (a capture, the inputs'
+        copies), which the extend path's host seconds count."""
+        key = ("flash", tokens, rows)
+        buffers = self._extend_inputs.get(key)
+        if buffers is None:
+            with torch.inference_mode(False):  # as `_extend_call`'s: the compiled step guards on it
+                flat = torch.zeros(inputs.shape, dtype=torch.long, device=self.device)
+                rows_at = FlashRows.empty(
+                    self.shape.kv_heads * (rows + 1), tokens, max(tokens, self.length), self.device
+                )
+            buffers = self._extend_inputs[key] = (flat, rows_at)
+        flat, rows_at = buffers
+        flat.copy_(self._to_device(inputs))
+        rows_at.fill_(self._to_device(sequences, torch.int32))
+        if key not in self._graphs:
+            ids, positions, slots, last = flat.split([tokens, tokens, tokens, rows])
+
+            def step() -> torch.Tensor:
+                shaped = (t.view(-1, WIDTH) for t in (slots, ids, positions))
+                return self._flash_step(self.model, self.keys, self.values, *shaped, last, rows_at)
+
+            self._graphs[key] = self._capture(lambda: self._compiled_or_plain("flash", step), step)
+        graph, output = self._graphs[key]
+        started = self._prefill_started()
+        graph.replay()
+        return output.clone(), started
 
     def _prefill_chunks(
         self,
@@ -1044,7 +1139,7 @@ class SlotBatch:
     def _compiled_or_plain(self, step: str, run: Callable[[], object]) -> None:
         """`run` a step (`decode` or `extend`) outside capture; if its compilation fails, fall back to the plain
         step, loudly, and run that, so a machine without a working Triton still serves under graphs."""
-        plain = {"decode": decode_step, "extend": extend_step}[step]
+        plain = {"decode": decode_step, "extend": extend_step, "flash": flash_extend_step}[step]
         try:
             run()
         except Exception:
@@ -1086,6 +1181,8 @@ class SlotBatch:
         with torch.inference_mode(), cudnn_attention_for_capture():
             for span in sorted({min(MIN_LENGTH, self.length), self.length}):
                 self._compiled_or_plain("extend", functools.partial(self._extend_placeholder, span))
+            if self._flash_step is not None:
+                self._compiled_or_plain("flash", self._flash_placeholder)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if not had_cache:
@@ -1106,6 +1203,21 @@ class SlotBatch:
         return self._extend_step(
             self.model, self.keys, self.values, slots, tokens, positions, last, span, offsets
         )
+
+    def _flash_placeholder(self) -> torch.Tensor:
+        """A `flash_extend_step` of `MIN_BUCKET` rows of `WIDTH` padding tokens (written at the sink of slot 0,
+        which no row owns yet): what `compile_now` compiles it on. Inputs made outside inference mode, as
+        `_flash_call`'s are."""
+        tokens = MIN_BUCKET * WIDTH
+        inputs, sequences = packed_rows([], tokens, MIN_BUCKET, self.shape.kv_heads, self.length, self.sink)
+        with torch.inference_mode(False):
+            ids, positions, slots, last = inputs.to(self.device).split([tokens, tokens, tokens, MIN_BUCKET])
+            rows = FlashRows.empty(
+                self.shape.kv_heads * (MIN_BUCKET + 1), tokens, max(tokens, self.length), self.device
+            )
+        rows.fill_(sequences.to(self.device))
+        shaped = (t.view(-1, WIDTH) for t in (slots, ids, positions))
+        return self._flash_step(self.model, self.keys, self.values, *shaped, last, rows)
 
     # ----- memory ----------------------------------------------------------------------------------
     def _ensure_length(self, needed: int) -> None:

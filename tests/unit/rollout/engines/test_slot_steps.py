@@ -1,10 +1,14 @@
-"""The slot cache's three forwards (packed prefill, fixed-width extend, one-token decode) give the logits of a
-plain forward of the whole sequence, each continuing where the one before left its keys and values. The CPU
-engine extends through the packed prefill, so `extend_step` (the CUDA-graph path) is checked here on the CPU."""
+"""The slot cache's forwards (packed prefill, fixed-width extend, packed FlashAttention extend, one-token decode)
+give the logits of a plain forward of the whole sequence, each continuing where the one before left its keys and
+values. The CPU engine extends through the packed prefill, so `extend_step` (the CUDA-graph path) is checked here
+on the CPU, and `flash_extend_step` with a reference of FlashAttention's varlen kernel in its place (the kernel
+itself runs only on a GPU: tests/gpu/test_slot_engine.py)."""
 
 import pytest
 import torch
 
+from agentrl.rollout.engines import flash_attention
+from agentrl.rollout.engines._flash_extend import WIDTH, flash_extend_step, packed_rows
 from agentrl.rollout.engines._slot_batch import weight_layout
 from agentrl.rollout.engines._slot_decode import (
     KVShape,
@@ -13,6 +17,7 @@ from agentrl.rollout.engines._slot_decode import (
     extend_step,
     prefill_slots,
 )
+from agentrl.rollout.engines.flash_attention import FlashRows
 from tests._random_qwen2 import random_qwen2
 
 SLOTS, LENGTH = 4, 64
@@ -34,8 +39,30 @@ def _reference(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0]
 
 
-@pytest.mark.parametrize("extend_with", ["extend_step", "prefill_slots"])
-def test_prefill_then_extend_then_decode_equal_one_forward(model, extend_with):
+def reference_varlen_kernel(q, k, v, rows: FlashRows, scale: float) -> torch.Tensor:
+    """FlashAttention's varlen forward as documented, in plain torch: sequence i's queries q[cu_q[i]:cu_q[i+1]]
+    over keys k[cu_k[i]:cu_k[i]+seqused[i]], causal from the bottom right (the last query sees every key), the
+    query heads sharing the kv heads in groups. Rows no sequence covers stay NaN."""
+    out = torch.full_like(q, float("nan"))
+    groups = q.shape[1] // k.shape[1]
+    cu_q, cu_k, used = rows.cu_q.tolist(), rows.cu_k.tolist(), rows.seqused.tolist()
+    assert max(cu_q[i + 1] - cu_q[i] for i in range(len(used))) <= rows.max_q
+    for i, n in enumerate(used):
+        queries = q[cu_q[i] : cu_q[i + 1]]
+        m = queries.shape[0]
+        if m == 0:
+            continue
+        keys = k[cu_k[i] : cu_k[i] + n].repeat_interleave(groups, dim=1)
+        values = v[cu_k[i] : cu_k[i] + n].repeat_interleave(groups, dim=1)
+        scores = torch.einsum("mhd,nhd->hmn", queries, keys) * scale
+        seen = torch.arange(n)[None, :] <= torch.arange(m)[:, None] + (n - m)
+        weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        out[cu_q[i] : cu_q[i + 1]] = torch.einsum("hmn,nhd->mhd", weights, values)
+    return out
+
+
+@pytest.mark.parametrize("extend_with", ["extend_step", "prefill_slots", "flash_extend_step"])
+def test_prefill_then_extend_then_decode_equal_one_forward(model, extend_with, monkeypatch):
     torch.manual_seed(1)
     rows = [torch.randint(0, 80, (n,)).tolist() for n in (30, 17, 24)]
     slots, head, more = [2, 0, 3], [12, 5, 9], 6  # prompt head, then `more` tokens, then decode the rest
@@ -52,6 +79,18 @@ def test_prefill_then_extend_then_decode_equal_one_forward(model, extend_with):
             tokens[i, :more], positions[i, :more] = torch.tensor(chunk), torch.arange(h, h + more)
         last = torch.full((len(rows),), more - 1)
         second = extend_step(model, keys, values, torch.tensor(slots), tokens, positions, last, span=LENGTH)
+    elif extend_with == "flash_extend_step":
+        monkeypatch.setattr(flash_attention, "varlen_kernel", reference_varlen_kernel)
+        shape = KVShape.of(model)
+        runs = list(zip(slots, head, chunks, strict=True))
+        bucket = 4  # one more than the runs: an empty sequence, then the padding's
+        inputs, sequences = packed_rows(runs, WIDTH, bucket, shape.kv_heads, LENGTH, LENGTH - 1)
+        where = FlashRows.empty(shape.kv_heads * (bucket + 1), WIDTH, LENGTH, torch.device("cpu"))
+        where.fill_(sequences)
+        ids, positions, token_slots, last = inputs.split([WIDTH, WIDTH, WIDTH, bucket])
+        shaped = (t.view(-1, WIDTH) for t in (token_slots, ids, positions))
+        second = flash_extend_step(model, keys, values, *shaped, last, where)[: len(rows)]
+        assert not any(cache.isnan().any() for cache in (*keys, *values))  # the padding's rows were computed
     else:
         second = prefill_slots(model, keys, values, slots, head, chunks)
     for i, row in enumerate(rows):

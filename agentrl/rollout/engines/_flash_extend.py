@@ -1,0 +1,145 @@
+"""The extend step over FlashAttention: an admission's short prefills (agents' next turns) packed into one run of
+tokens, attending to their slots' cached histories where they lie (`flash_attention.py`).
+
+`extend_step` pads every row to the widest (64 tokens, compiled), gathers the rows' slots out of the cache in every
+layer and attends with an additive mask of rows x query rows x span: a 16-row forward of ~50-token turns took ~5 ms
+on an H200, for ~750 tokens. Here the tokens of all rows follow each other, padded once at the end to a power of
+two (a multiple of `WIDTH`), and the per-token parts of a layer (projections, rotary, norms, MLP) see them as
+(tokens / WIDTH, WIDTH) rows: the shapes `compiled_extend_step` compiles, so both steps share one compile.
+
+The padding tokens write their keys and values at the cache's sink (the last position, which no sequence reads)
+and attend, as one more sequence per kv head, over the cache's first positions: every output row is computed,
+none is left as whatever memory held (a NaN there would reach the sink, and a masked NaN still poisons a softmax).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from agentrl.rollout.engines._slot_decode import (
+    DecodeRegions,
+    KVShape,
+    _rotary,
+    layer_output,
+    layer_projections,
+    text_model,
+)
+from agentrl.rollout.engines.flash_attention import FlashRows, flash_cache_attention
+
+WIDTH = 64
+"""Tokens per row of the per-token parts: `EXTEND_MAX_TOKENS`, the width the compiled extend step has."""
+
+
+def flash_extend_inputs(
+    model: torch.nn.Module,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    rope_offsets: torch.Tensor | None,
+    span: int,
+) -> tuple[torch.Tensor, ...]:
+    """What every layer of `flash_extend_step` reads: the embedded tokens (R, W, H), them through the first
+    layer's input norm, the rotary cos and sin (R, 1, W, D). `span` is unused (the signature of the steps' other
+    inputs functions, which the compiled wrapper calls)."""
+    inner = text_model(model)
+    hidden = inner.embed_tokens(token_ids)
+    rope = positions if rope_offsets is None else positions + rope_offsets
+    cos, sin = _rotary(model, hidden, rope)
+    return hidden, inner.layers[0].input_layernorm(hidden), cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def flash_cache_part(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    rows: FlashRows,
+    scale: float,
+    token_slots: torch.Tensor,
+) -> torch.Tensor:
+    """A layer's part that touches the cache (as `cache_attention` is for `extend_step`): write each token's key
+    and value at its slot and position, attend over the rows' slots; (R, W, heads x D)."""
+    packed_rows, heads, width, head_dim = q.shape
+    tokens = packed_rows * width
+    keys[token_slots.view(-1), :, positions.view(-1)] = k.transpose(1, 2).reshape(tokens, -1, head_dim)
+    values[token_slots.view(-1), :, positions.view(-1)] = v.transpose(1, 2).reshape(tokens, -1, head_dim)
+    out = flash_cache_attention(q.transpose(1, 2).reshape(tokens, heads, head_dim), keys, values, rows, scale)
+    return out.view(packed_rows, width, heads * head_dim)
+
+
+def flash_layer(
+    layer: torch.nn.Module,
+    following_norm: torch.nn.Module,
+    hidden: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    rows: FlashRows,
+    head_dim: int,
+    token_slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer of `flash_extend_step` (`slot_layer`'s parts with `flash_cache_part` for the cache's)."""
+    q, k, v = layer_projections(layer, x, cos, sin, head_dim)
+    out = flash_cache_part(q, k, v, keys, values, positions, rows, layer.self_attn.scaling, token_slots)
+    return layer_output(layer, following_norm, hidden, out)
+
+
+@torch.inference_mode()
+def flash_extend_step(
+    model: torch.nn.Module,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    token_slots: torch.Tensor,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    last: torch.Tensor,
+    rows: FlashRows,
+    regions: DecodeRegions | None = None,
+) -> torch.Tensor:
+    """Feed the packed tokens `token_ids` (T / W, W) at `positions` of slots `token_slots` (same shape); write
+    their keys and values; return the logits at the flat token indices `last` (one per row, (R, V)). `rows` says
+    which tokens form each row and how much of its slot each reads (`packed_rows`)."""
+    regions = regions or PLAIN_FLASH_REGIONS
+    hidden, x, cos, sin = regions.inputs(model, token_ids, positions, None, 0)
+    head_dim = KVShape.of(model).head_dim
+    inner = text_model(model)
+    layers = inner.layers
+    for index, layer in enumerate(layers):
+        following = layers[index + 1].input_layernorm if index + 1 < len(layers) else inner.norm
+        hidden, x = regions.layer(
+            layer, following, hidden, x, cos, sin, keys[index], values[index], positions, rows, head_dim,
+            token_slots,
+        )  # fmt: skip
+    return model.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, last))
+
+
+PLAIN_FLASH_REGIONS = DecodeRegions(flash_extend_inputs, flash_layer)
+
+
+def packed_rows(
+    runs: list[tuple[int, int, list[int]]], tokens: int, rows: int, kv_heads: int, length: int, sink: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host inputs of `flash_extend_step` for `runs` (slot, first position, token ids) padded to `tokens` tokens
+    and `rows` rows: an int64 (3 x tokens + rows) tensor (token ids, positions, slots, then each row's last token
+    index) and `FlashRows.host_arrays` for rows + 1 sequences per kv head (the padding's last)."""
+    lengths = [len(ids) for _, _, ids in runs]
+    pad = tokens - sum(lengths)
+    idle = rows - len(runs)
+    ids = [t for _, _, run in runs for t in run] + [0] * pad
+    positions = [p for _, start, run in runs for p in range(start, start + len(run))] + [sink] * pad
+    slots = [slot for slot, _, run in runs for _ in run] + [runs[0][0] if runs else 0] * pad
+    last = [end - 1 for end in itertools.accumulate(lengths)] + [0] * idle
+    sequences = FlashRows.host_arrays(
+        [slot for slot, _, _ in runs] + [0] * (idle + 1),
+        [start for _, start, _ in runs] + [0] * (idle + 1),
+        lengths + [0] * idle + [pad],
+        kv_heads,
+        length,
+    )
+    return torch.tensor(ids + positions + slots + last), sequences
