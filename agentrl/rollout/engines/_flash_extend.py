@@ -8,8 +8,9 @@ two (a multiple of `WIDTH`), and the per-token parts of a layer (projections, ro
 (tokens / WIDTH, WIDTH) rows: the shapes `compiled_extend_step` compiles, so both steps share one compile.
 
 The padding tokens write their keys and values at the cache's sink (the last position, which no sequence reads)
-and attend, as one more sequence per kv head, over the cache's first positions: every output row is computed,
-none is left as whatever memory held (a NaN there would reach the sink, and a masked NaN still poisons a softmax).
+and attend, as more sequences per kv head of at most `WIDTH` tokens each (the kernel's grid grows with its
+longest sequence), over the cache's first positions: every output row is computed, none is left as whatever
+memory held (a NaN there would reach the sink, and a masked NaN still poisons a softmax).
 """
 
 from __future__ import annotations
@@ -122,12 +123,19 @@ def flash_extend_step(
 PLAIN_FLASH_REGIONS = DecodeRegions(flash_extend_inputs, flash_layer)
 
 
+def sequences_per_kv_head(tokens: int, rows: int) -> int:
+    """Sequences of a `flash_extend_step` of `tokens` tokens and `rows` rows, per kv head: the rows, then the
+    padding's, each at most `WIDTH` long (so no sequence is longer than the kernel's `max_q`, `WIDTH`)."""
+    return rows + tokens // WIDTH
+
+
 def packed_rows(
     runs: list[tuple[int, int, list[int]]], tokens: int, rows: int, kv_heads: int, length: int, sink: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host inputs of `flash_extend_step` for `runs` (slot, first position, token ids) padded to `tokens` tokens
-    and `rows` rows: an int64 (3 x tokens + rows) tensor (token ids, positions, slots, then each row's last token
-    index) and `FlashRows.host_arrays` for rows + 1 sequences per kv head (the padding's last)."""
+    """Host inputs of `flash_extend_step` for `runs` (slot, first position, token ids; at most `WIDTH` each)
+    padded to `tokens` tokens and `rows` rows: an int64 (3 x tokens + rows) tensor (token ids, positions, slots,
+    then each row's last token index) and `FlashRows.host_arrays` for `sequences_per_kv_head` sequences per kv
+    head (the rows, empty ones included, then the padding in runs of up to `WIDTH` tokens, the rest empty)."""
     lengths = [len(ids) for _, _, ids in runs]
     pad = tokens - sum(lengths)
     idle = rows - len(runs)
@@ -135,10 +143,13 @@ def packed_rows(
     positions = [p for _, start, run in runs for p in range(start, start + len(run))] + [sink] * pad
     slots = [slot for slot, _, run in runs for _ in run] + [runs[0][0] if runs else 0] * pad
     last = [end - 1 for end in itertools.accumulate(lengths)] + [0] * idle
+    padding = [min(WIDTH, pad - at) for at in range(0, tokens, WIDTH)]  # then zeros
+    padding = [max(0, n) for n in padding]
+    extra = idle + len(padding)
     sequences = FlashRows.host_arrays(
-        [slot for slot, _, _ in runs] + [0] * (idle + 1),
-        [start for _, start, _ in runs] + [0] * (idle + 1),
-        lengths + [0] * idle + [pad],
+        [slot for slot, _, _ in runs] + [0] * extra,
+        [start for _, start, _ in runs] + [0] * extra,
+        lengths + [0] * idle + padding,
         kv_heads,
         length,
     )

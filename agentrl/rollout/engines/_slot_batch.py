@@ -48,6 +48,7 @@ from agentrl.rollout.engines._flash_extend import (
     flash_extend_inputs,
     flash_extend_step,
     packed_rows,
+    sequences_per_kv_head,
 )
 from agentrl.rollout.engines._prefix_cache import PrefixCache, PrefixMatch, shared_prefixes
 from agentrl.rollout.engines._sampling import as_int64, policy_logprob, sample_on_device
@@ -706,9 +707,8 @@ class SlotBatch:
         if buffers is None:
             with torch.inference_mode(False):  # as `_extend_call`'s: the compiled step guards on it
                 flat = torch.zeros(inputs.shape, dtype=torch.long, device=self.device)
-                rows_at = FlashRows.empty(
-                    self.shape.kv_heads * (rows + 1), tokens, max(tokens, self.length), self.device
-                )
+                sequences_at = self.shape.kv_heads * sequences_per_kv_head(tokens, rows)
+                rows_at = FlashRows.empty(sequences_at, WIDTH, self.length, self.device)
             buffers = self._extend_inputs[key] = (flat, rows_at)
         flat, rows_at = buffers
         flat.copy_(self._to_device(inputs))
@@ -1212,9 +1212,8 @@ class SlotBatch:
         inputs, sequences = packed_rows([], tokens, MIN_BUCKET, self.shape.kv_heads, self.length, self.sink)
         with torch.inference_mode(False):
             ids, positions, slots, last = inputs.to(self.device).split([tokens, tokens, tokens, MIN_BUCKET])
-            rows = FlashRows.empty(
-                self.shape.kv_heads * (MIN_BUCKET + 1), tokens, max(tokens, self.length), self.device
-            )
+            sequences_at = self.shape.kv_heads * sequences_per_kv_head(tokens, MIN_BUCKET)
+            rows = FlashRows.empty(sequences_at, WIDTH, self.length, self.device)
         rows.fill_(sequences.to(self.device))
         shaped = (t.view(-1, WIDTH) for t in (slots, ids, positions))
         return self._flash_step(self.model, self.keys, self.values, *shaped, last, rows)

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from agentrl.rollout.engines import flash_attention
-from agentrl.rollout.engines._flash_extend import WIDTH, flash_extend_step, packed_rows
+from agentrl.rollout.engines._flash_extend import (
+    WIDTH,
+    flash_extend_step,
+    packed_rows,
+    sequences_per_kv_head,
+)
 from agentrl.rollout.engines._slot_batch import weight_layout
 from agentrl.rollout.engines._slot_decode import (
     KVShape,
@@ -83,11 +88,13 @@ def test_prefill_then_extend_then_decode_equal_one_forward(model, extend_with, m
         monkeypatch.setattr(flash_attention, "varlen_kernel", reference_varlen_kernel)
         shape = KVShape.of(model)
         runs = list(zip(slots, head, chunks, strict=True))
-        bucket = 4  # one more than the runs: an empty sequence, then the padding's
-        inputs, sequences = packed_rows(runs, WIDTH, bucket, shape.kv_heads, LENGTH, LENGTH - 1)
-        where = FlashRows.empty(shape.kv_heads * (bucket + 1), WIDTH, LENGTH, torch.device("cpu"))
+        # one row more than the runs (an empty sequence), 3 x WIDTH tokens (the padding in three sequences)
+        bucket, total = 4, 3 * WIDTH
+        inputs, sequences = packed_rows(runs, total, bucket, shape.kv_heads, LENGTH, LENGTH - 1)
+        count = shape.kv_heads * sequences_per_kv_head(total, bucket)
+        where = FlashRows.empty(count, WIDTH, LENGTH, torch.device("cpu"))
         where.fill_(sequences)
-        ids, positions, token_slots, last = inputs.split([WIDTH, WIDTH, WIDTH, bucket])
+        ids, positions, token_slots, last = inputs.split([total, total, total, bucket])
         shaped = (t.view(-1, WIDTH) for t in (token_slots, ids, positions))
         second = flash_extend_step(model, keys, values, *shaped, last, where)[: len(rows)]
         assert not any(cache.isnan().any() for cache in (*keys, *values))  # the padding's rows were computed
