@@ -15,17 +15,17 @@ memory held (a NaN there would reach the sink, and a masked NaN still poisons a 
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
 
 from agentrl.rollout.engines._slot_decode import (
     DecodeRegions,
-    KVShape,
     _rotary,
-    layer_output,
-    layer_projections,
+    slot_layer,
     text_model,
+    through_layers,
 )
 from agentrl.rollout.engines.flash_attention import FlashRows, flash_cache_attention
 
@@ -71,26 +71,6 @@ def flash_cache_part(
     return out.view(packed_rows, width, heads * head_dim)
 
 
-def flash_layer(
-    layer: torch.nn.Module,
-    following_norm: torch.nn.Module,
-    hidden: torch.Tensor,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    positions: torch.Tensor,
-    rows: FlashRows,
-    head_dim: int,
-    token_slots: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer of `flash_extend_step` (`slot_layer`'s parts with `flash_cache_part` for the cache's)."""
-    q, k, v = layer_projections(layer, x, cos, sin, head_dim)
-    out = flash_cache_part(q, k, v, keys, values, positions, rows, layer.self_attn.scaling, token_slots)
-    return layer_output(layer, following_norm, hidden, out)
-
-
 @torch.inference_mode()
 def flash_extend_step(
     model: torch.nn.Module,
@@ -108,19 +88,13 @@ def flash_extend_step(
     which tokens form each row and how much of its slot each reads (`packed_rows`)."""
     regions = regions or PLAIN_FLASH_REGIONS
     hidden, x, cos, sin = regions.inputs(model, token_ids, positions, None, 0)
-    head_dim = KVShape.of(model).head_dim
-    inner = text_model(model)
-    layers = inner.layers
-    for index, layer in enumerate(layers):
-        following = layers[index + 1].input_layernorm if index + 1 < len(layers) else inner.norm
-        hidden, x = regions.layer(
-            layer, following, hidden, x, cos, sin, keys[index], values[index], positions, rows, head_dim,
-            token_slots,
-        )  # fmt: skip
+    x = through_layers(model, regions, keys, values, hidden, x, cos, sin, positions, rows, token_slots)
     return model.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, last))
 
 
-PLAIN_FLASH_REGIONS = DecodeRegions(flash_extend_inputs, flash_layer)
+PLAIN_FLASH_REGIONS = DecodeRegions(
+    flash_extend_inputs, functools.partial(slot_layer, cache_part=flash_cache_part)
+)
 
 
 def sequences_per_kv_head(tokens: int, rows: int) -> int:

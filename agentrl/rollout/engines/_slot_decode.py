@@ -254,15 +254,36 @@ def decode_step(
     regions = regions or PLAIN_REGIONS
     length = keys[0].shape[2] if span is None else span
     hidden, x, cos, sin, visible = regions.inputs(model, token_ids, positions, rope_offsets, length)
+    x = through_layers(model, regions, keys, values, hidden, x, cos, sin, positions, visible)
+    return model.lm_head(x)[:, 0]
+
+
+def through_layers(
+    model: torch.nn.Module,
+    regions: DecodeRegions,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    hidden: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    visible: object,
+    *slots: torch.Tensor,
+) -> torch.Tensor:
+    """Every decoder layer of a step (`regions.layer` on each layer's cache); the last layer's output through
+    the final norm. `visible`: what the layer's cache part reads to know which positions each row sees (a mask,
+    or `_flash_extend`'s `FlashRows`); `slots`: the extend steps' slot of each row (or token)."""
     head_dim = KVShape.of(model).head_dim
     inner = text_model(model)
     layers = inner.layers
     for index, layer in enumerate(layers):
         following = layers[index + 1].input_layernorm if index + 1 < len(layers) else inner.norm
         hidden, x = regions.layer(
-            layer, following, hidden, x, cos, sin, keys[index], values[index], positions, visible, head_dim
-        )
-    return model.lm_head(x)[:, 0]
+            layer, following, hidden, x, cos, sin, keys[index], values[index], positions, visible, head_dim,
+            *slots,
+        )  # fmt: skip
+    return x
 
 
 def slot_layer(
@@ -278,8 +299,10 @@ def slot_layer(
     visible: torch.Tensor,
     head_dim: int,
     slot_ids: torch.Tensor | None = None,
+    cache_part: Callable[..., torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer of `decode_step` or `extend_step`: `x` is `hidden` (R, W, H) after the layer's input
+    """One decoder layer of `decode_step` or `extend_step` (or, with `_flash_extend.flash_cache_part` for
+    `cache_part`, of `flash_extend_step`): `x` is `hidden` (R, W, H) after the layer's input
     norm. Writes the rows' keys and values into this layer's cache at their positions, attends over the first
     `visible.shape[-1]` positions; returns the residual stream and it through `following_norm` (the next layer's
     input norm, or the final norm), so the residual add and the next norm stay one fused kernel when compiled.
@@ -292,7 +315,8 @@ def slot_layer(
     every process (`benchmarks/decode_compile.py`). Its three parts are functions too, so that a compiled extend
     step compiles the two around the cache and runs the cache's part as it is (`compiled_extend_step`)."""
     q, k, v = layer_projections(layer, x, cos, sin, head_dim)
-    out = cache_attention(q, k, v, keys, values, positions, visible, layer.self_attn.scaling, slot_ids)
+    attend = cache_part or cache_attention
+    out = attend(q, k, v, keys, values, positions, visible, layer.self_attn.scaling, slot_ids)
     return layer_output(layer, following_norm, hidden, out)
 
 
@@ -482,15 +506,7 @@ def extend_step(
     """
     regions = regions or PLAIN_EXTEND_REGIONS
     hidden, x, cos, sin, mask = regions.inputs(model, token_ids, positions, rope_offsets, span)
-    head_dim = KVShape.of(model).head_dim
-    inner = text_model(model)
-    layers = inner.layers
-    for index, layer in enumerate(layers):
-        following = layers[index + 1].input_layernorm if index + 1 < len(layers) else inner.norm
-        hidden, x = regions.layer(
-            layer, following, hidden, x, cos, sin, keys[index], values[index], positions, mask, head_dim,
-            slot_ids,
-        )  # fmt: skip
+    x = through_layers(model, regions, keys, values, hidden, x, cos, sin, positions, mask, slot_ids)
     return model.lm_head(x[torch.arange(x.shape[0], device=x.device), last])
 
 
