@@ -1,5 +1,6 @@
-"""The extend step over FlashAttention: an admission's short prefills (agents' next turns) packed into one run of
-tokens, attending to their slots' cached histories where they lie (`flash_attention.py`).
+"""The extend step over FlashAttention: an admission's text prefills (agents' next turns over their cached
+histories, first turns, parts of long prompts) packed into one run of tokens, attending to their slots' cached
+histories where they lie (`flash_attention.py`).
 
 `extend_step` pads every row to the widest (64 tokens, compiled), gathers the rows' slots out of the cache in every
 layer and attends with an additive mask of rows x query rows x span: a 16-row forward of ~50-token turns took ~5 ms
@@ -7,10 +8,12 @@ on an H200, for ~750 tokens. Here the tokens of all rows follow each other, padd
 two (a multiple of `WIDTH`), and the per-token parts of a layer (projections, rotary, norms, MLP) see them as
 (tokens / WIDTH, WIDTH) rows: the shapes `compiled_extend_step` compiles, so both steps share one compile.
 
-The padding tokens write their keys and values at the cache's sink (the last position, which no sequence reads)
-and attend, as more sequences per kv head of at most `WIDTH` tokens each (the kernel's grid grows with its
-longest sequence), over the cache's first positions: every output row is computed, none is left as whatever
-memory held (a NaN there would reach the sink, and a masked NaN still poisons a softmax).
+Every sequence of the kernel call is at most `WIDTH` tokens (its grid grows with the longest, `max_q`): a row
+longer than that is cut into consecutive sequences of one slot, each attending causally (bottom-right) over the
+slot up to its own last token, which every earlier token of the row has already written. The padding tokens
+write their keys and values at the cache's sink (the last position, which no sequence reads) and attend, as more
+such sequences, over the cache's first positions: every output row is computed, none is left as whatever memory
+held (a NaN there would reach the sink, and a masked NaN still poisons a softmax).
 """
 
 from __future__ import annotations
@@ -98,32 +101,40 @@ PLAIN_FLASH_REGIONS = DecodeRegions(
 
 
 def sequences_per_kv_head(tokens: int, rows: int) -> int:
-    """Sequences of a `flash_extend_step` of `tokens` tokens and `rows` rows, per kv head: the rows, then the
-    padding's, each at most `WIDTH` long (so no sequence is longer than the kernel's `max_q`, `WIDTH`)."""
+    """Sequences of a `flash_extend_step` of `tokens` tokens (a multiple of `WIDTH`) and `rows` rows, per kv head:
+    enough for the rows cut into runs of at most `WIDTH` tokens and the padding's runs. Cutting a row of n tokens
+    makes ceil(n / WIDTH) <= 1 + (n - 1) // WIDTH sequences, so the real ones and the padding's number at most
+    rows + tokens // WIDTH; the rest are empty."""
     return rows + tokens // WIDTH
+
+
+def _cut(start: int, count: int) -> list[tuple[int, int]]:
+    """(first position, tokens) of the consecutive sequences of at most `WIDTH` tokens a run is cut into."""
+    return [(at, min(WIDTH, start + count - at)) for at in range(start, start + count, WIDTH)]
 
 
 def packed_rows(
     runs: list[tuple[int, int, list[int]]], tokens: int, rows: int, kv_heads: int, length: int, sink: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host inputs of `flash_extend_step` for `runs` (slot, first position, token ids; at most `WIDTH` each)
-    padded to `tokens` tokens and `rows` rows: an int64 (3 x tokens + rows) tensor (token ids, positions, slots,
-    then each row's last token index) and `FlashRows.host_arrays` for `sequences_per_kv_head` sequences per kv
-    head (the rows, empty ones included, then the padding in runs of up to `WIDTH` tokens, the rest empty)."""
+    """Host inputs of `flash_extend_step` for `runs` (slot, first position, token ids; any length) padded to
+    `tokens` tokens and `rows` rows: an int64 (3 x tokens + rows) tensor (token ids, positions, slots, then each
+    row's last token index) and `FlashRows.host_arrays` for `sequences_per_kv_head` sequences per kv head (each
+    run cut into sequences of at most `WIDTH` tokens, then the padding's, the rest empty)."""
     lengths = [len(ids) for _, _, ids in runs]
     pad = tokens - sum(lengths)
-    idle = rows - len(runs)
+    if pad < 0 or len(runs) > rows:
+        raise ValueError(f"{sum(lengths)} tokens in {len(runs)} rows do not fit {tokens} tokens, {rows} rows")
     ids = [t for _, _, run in runs for t in run] + [0] * pad
     positions = [p for _, start, run in runs for p in range(start, start + len(run))] + [sink] * pad
     slots = [slot for slot, _, run in runs for _ in run] + [runs[0][0] if runs else 0] * pad
-    last = [end - 1 for end in itertools.accumulate(lengths)] + [0] * idle
-    padding = [min(WIDTH, pad - at) for at in range(0, tokens, WIDTH)]  # then zeros
-    padding = [max(0, n) for n in padding]
-    extra = idle + len(padding)
+    last = [end - 1 for end in itertools.accumulate(lengths)] + [0] * (rows - len(runs))
+    cuts = [(slot, *part) for slot, start, run in runs for part in _cut(start, len(run))]
+    cuts += [(0, 0, n) for _, n in _cut(0, pad)]  # the padding: each over slot 0's first n positions
+    empty = sequences_per_kv_head(tokens, rows) - len(cuts)
     sequences = FlashRows.host_arrays(
-        [slot for slot, _, _ in runs] + [0] * extra,
-        [start for _, start, _ in runs] + [0] * extra,
-        lengths + [0] * idle + padding,
+        [c[0] for c in cuts] + [0] * empty,
+        [c[1] for c in cuts] + [0] * empty,
+        [c[2] for c in cuts] + [0] * empty,
         kv_heads,
         length,
     )

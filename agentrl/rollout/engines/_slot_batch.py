@@ -86,13 +86,16 @@ SPAN_STEP = 64
 SHARED_PREFIX_MIN_GAIN = 32
 """Fewest prompt tokens a shared prefix within one admission must save to be worth a second prefill forward."""
 EXTEND_MAX_TOKENS = WIDTH
-"""With CUDA graphs, prompts with at most this many tokens left to compute (a next turn over a cached history) go
-through `extend_step`'s graphs; longer ones (and all of them without graphs) through the packed `prefill_slots`."""
+"""With CUDA graphs but no `flash_extend_step` (prompts with images, GPUs before Ampere, float32), prompts with at
+most this many tokens left to compute (a next turn over a cached history) go through `extend_step`'s graphs;
+longer ones (and all of them without graphs) through the packed `prefill_slots`. `flash_extend_step` takes every
+text prompt, whatever its length."""
 MIN_EXTEND_WIDTH = 16
 PREFILL_MASK_ELEMENTS = 1 << 26
 """Most attention-mask elements (rows x query rows x keys) one prefill forward builds: bounds its memory."""
 PREFILL_PATHS = ("extend", "packed")
-"""The two prefill forwards, counted apart: `extend_step` (short runs under CUDA graphs) and `prefill_slots`."""
+"""The two prefill forwards, counted apart: under CUDA graphs (`flash_extend_step`: every text prompt;
+`extend_step`: short runs) and `prefill_slots` (eager, packed)."""
 
 
 @dataclass
@@ -328,8 +331,9 @@ class SlotBatch:
         self._flash_step: Callable[..., torch.Tensor] | None = None
         """`flash_extend_step` (compiled with the others) where FlashAttention reads the cache in place: it
         replaces `_extend_step` for text prompts (`_flash_extend`)."""
-        if self.cuda_graphs and flash_cache_attention_supported(self.device, self.shape.dtype):
-            self._flash_step = compiled_flash_extend_step() if compile_decode else flash_extend_step
+        if flash_cache_attention_supported(self.device, self.shape.dtype):
+            compiled = compile_decode and self.cuda_graphs
+            self._flash_step = compiled_flash_extend_step() if compiled else flash_extend_step
         self._min_extend_width = (
             EXTEND_MAX_TOKENS if self._extend_step is not extend_step else MIN_EXTEND_WIDTH
         )
@@ -531,6 +535,9 @@ class SlotBatch:
         if pixels:
             starts = {i: prefill[i][1] for i in pixels}
             vision = self.images.prepare({i: prompts[i] for i in pixels}, pixels, starts)
+        offsets = {i: vision[i].offset if i in vision else 0 for i in prefill}
+        if self._flash_step is not None and not vision:  # every text prompt, whatever its length
+            return self._flash_extend(prefill, computed), offsets
         short = {
             i: at
             for i, at in prefill.items()
@@ -539,11 +546,7 @@ class SlotBatch:
             and (i not in vision or vision[i].pads_before[-1] == vision[i].pads_before[at[1]])
         }  # pads to compute go through `prefill_slots`, which reads image features
         long = {i: at for i, at in prefill.items() if i not in short}
-        offsets = {i: vision[i].offset if i in vision else 0 for i in prefill}
-        if self._flash_step is not None and not vision:
-            extended = self._flash_extend(short, computed)
-        else:
-            extended = self._extend(short, computed, offsets)
+        extended = self._extend(short, computed, offsets)
         logits = {**self._prefill_chunks(long, computed, vision), **extended}
         return logits, offsets
 
@@ -679,19 +682,30 @@ class SlotBatch:
     def _flash_extend(
         self, prefill: dict[int, tuple[int, int]], computed: dict[int, list[int]]
     ) -> dict[int, torch.Tensor]:
-        """`_extend` through `flash_extend_step`: at most `max_slots` rows a call, their tokens packed and padded
-        once to a power of two, one CUDA graph per (tokens, rows) bucket; each prompt's last logits."""
+        """Prefill text prompts through `flash_extend_step`: their tokens packed, at most `max_slots` rows and
+        `prefill_chunk_tokens` tokens a forward (a prompt that does not fit in what is left of one continues in
+        the next, over what the first wrote), padded to `_token_bucket`, one CUDA graph per (tokens, rows)
+        bucket; each prompt's last logits."""
         logits: dict[int, torch.Tensor] = {}
-        items = list(prefill.items())
-        for first in range(0, len(items), self.max_slots):
-            group = items[first : first + self.max_slots]
-            real = sum(len(computed[i]) for i, _ in group)
-            tokens, rows = _token_bucket(real), self._bucket(len(group))
-            runs = [(slot, start, computed[i]) for i, (slot, start) in group]
+        cap = max(WIDTH, self.prefill_chunk_tokens)
+        pending = [(i, slot, start, computed[i]) for i, (slot, start) in prefill.items()]
+        while pending:
+            calls: list[tuple[int, int, int, list[int]]] = []
+            room = cap
+            while pending and room > 0 and len(calls) < self.max_slots:
+                i, slot, start, ids = pending.pop(0)
+                calls.append((i, slot, start, ids[:room]))
+                if len(ids) > room:  # the rest after this forward, from where its part ends
+                    pending.insert(0, (i, slot, start + room, ids[room:]))
+                room -= len(calls[-1][3])
+            real = cap - room
+            tokens, rows = _token_bucket(real), self._bucket(len(calls))
+            runs = [(slot, start, ids) for _, slot, start, ids in calls]
             inputs, sequences = packed_rows(runs, tokens, rows, self.shape.kv_heads, self.length, self.sink)
             out, started = self._flash_call(inputs, sequences, tokens, rows)
-            for row, (i, _) in enumerate(group):
-                logits[i] = out[row]
+            for row, (i, _, start, ids) in enumerate(calls):
+                if start + len(ids) == prefill[i][1] + len(computed[i]):  # the prompt's last token
+                    logits[i] = out[row]
             self._prefill_done(started, real, "extend")
         return logits
 
@@ -699,27 +713,32 @@ class SlotBatch:
         self, inputs: torch.Tensor, sequences: torch.Tensor, tokens: int, rows: int
     ) -> tuple[torch.Tensor, tuple[float, torch.cuda.Event | None]]:
         """`flash_extend_step` on `packed_rows`' host tensors, replayed from its (tokens, rows) graph (captured on
-        first use, into buffers kept per shape); its logits and `_prefill_started`'s mark, made just before the
-        replay: the forward's device time is timed, not the host's work before it (a capture, the inputs'
-        copies), which the extend path's host seconds count."""
+        first use, into buffers kept per shape; run as it is without graphs); its logits and
+        `_prefill_started`'s mark, made just before the forward: its device time is timed, not the host's work
+        before it (a capture, the inputs' copies), which the extend path's host seconds count."""
         key = ("flash", tokens, rows)
-        buffers = self._extend_inputs.get(key)
+        buffers = self._extend_inputs.get(key) if self.cuda_graphs else None
         if buffers is None:
             with torch.inference_mode(False):  # as `_extend_call`'s: the compiled step guards on it
                 flat = torch.zeros(inputs.shape, dtype=torch.long, device=self.device)
                 sequences_at = self.shape.kv_heads * sequences_per_kv_head(tokens, rows)
                 rows_at = FlashRows.empty(sequences_at, WIDTH, self.length, self.device)
-            buffers = self._extend_inputs[key] = (flat, rows_at)
+            buffers = (flat, rows_at)
+            if self.cuda_graphs:
+                self._extend_inputs[key] = buffers
         flat, rows_at = buffers
         flat.copy_(self._to_device(inputs))
         rows_at.fill_(self._to_device(sequences, torch.int32))
+        ids, positions, slots, last = flat.split([tokens, tokens, tokens, rows])
+
+        def step() -> torch.Tensor:
+            shaped = (t.view(-1, WIDTH) for t in (slots, ids, positions))
+            return self._flash_step(self.model, self.keys, self.values, *shaped, last, rows_at)
+
+        if not self.cuda_graphs:
+            started = self._prefill_started()
+            return step(), started
         if key not in self._graphs:
-            ids, positions, slots, last = flat.split([tokens, tokens, tokens, rows])
-
-            def step() -> torch.Tensor:
-                shaped = (t.view(-1, WIDTH) for t in (slots, ids, positions))
-                return self._flash_step(self.model, self.keys, self.values, *shaped, last, rows_at)
-
             self._graphs[key] = self._capture(lambda: self._compiled_or_plain("flash", step), step)
         graph, output = self._graphs[key]
         started = self._prefill_started()

@@ -118,6 +118,60 @@ def test_prefill_then_extend_then_decode_equal_one_forward(model, extend_with, m
             torch.testing.assert_close(logits[i], _reference(model, row)[at[i] + step], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("lengths", [[150, 1, 64], [64, 65, 127, 128, 129], [3] * 9, [300]])
+def test_packed_rows_cut_every_row_into_sequences_of_at_most_width_within_the_bucket(lengths):
+    """Rows of any length are cut into consecutive sequences of at most `WIDTH` tokens of one slot, each reading
+    its slot up to its own last token; they and the padding's fit `sequences_per_kv_head` whatever the lengths."""
+    import random
+
+    from agentrl.rollout.engines._slot_batch import _token_bucket
+
+    rng = random.Random(len(lengths))
+    runs = [(slot, rng.randint(0, 40), [7] * n) for slot, n in enumerate(lengths)]
+    tokens, rows, length = _token_bucket(sum(lengths)), 16, 512
+    inputs, sequences = packed_rows(runs, tokens, rows, 1, length, length - 1)
+    count = sequences_per_kv_head(tokens, rows)
+    cu_q, cu_k, used = sequences.split([count + 1, count + 1, count])
+    sizes = (cu_q[1:] - cu_q[:-1]).tolist()
+    assert cu_q[-1] == tokens and max(sizes) <= WIDTH and min(sizes) >= 0
+    covered = []  # (slot, position) each real query reads up to, in packing order
+    for i, n in enumerate(sizes):
+        covered += [(cu_k[i].item() // length, used[i].item() - n + j) for j in range(n)]
+    positions = inputs[tokens : 2 * tokens].tolist()
+    slots = inputs[2 * tokens : 3 * tokens].tolist()
+    real = sum(lengths)
+    assert covered[:real] == list(zip(slots[:real], positions[:real], strict=True))
+    last = inputs[3 * tokens :].tolist()
+    assert last[: len(runs)] == [sum(lengths[: i + 1]) - 1 for i in range(len(runs))]
+    with pytest.raises(ValueError, match="do not fit"):
+        packed_rows(runs, tokens, len(runs) - 1, 1, length, length - 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        packed_rows(runs, real - 1, rows, 1, length, length - 1)
+
+
+def test_the_flash_path_prefills_prompts_longer_than_a_forward_across_forwards_exactly(model, monkeypatch):
+    """Every text prompt goes through `flash_extend_step` (run here without graphs, the kernel's reference in
+    place): first turns of 150 and 70 tokens, a next turn over a cached history, with at most 64 tokens a
+    forward (`prefill_chunk_tokens`), so the long ones continue over what the forwards before wrote; each
+    prompt's last logits equal a plain forward of it, and prefill counts every token once."""
+    from agentrl.rollout.engines._slot_batch import SlotBatch
+
+    monkeypatch.setattr(flash_attention, "varlen_kernel", reference_varlen_kernel)
+    torch.manual_seed(4)
+    batch = SlotBatch(model, max_slots=8, max_model_len=512, cuda_graphs=False, prefill_chunk_tokens=64)
+    batch._flash_step = flash_extend_step  # what a GPU with FlashAttention's `seqused_k` gets
+    history = torch.randint(0, 80, (40,)).tolist()
+    batch.admit([history], [1], reserve=64)
+    batch.keep([], finished={0: history})
+    prompts = [torch.randint(0, 80, (n,)).tolist() for n in (150, 70)] + [history + [3, 4, 5]]
+    forwards = batch.counters["extend_forwards"]
+    logits = batch.admit(prompts, [1, 1, 1], reserve=256)
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits[i], _reference(model, prompt)[-1], atol=1e-5, rtol=0)
+    assert batch.counters["extend_forwards"] - forwards == 4  # 150 + 70 + 3 tokens, 64 a forward
+    assert batch.counters["extend_tokens"] == 40 + 150 + 70 + 3 and batch.counters["packed_forwards"] == 0
+
+
 @pytest.mark.parametrize("spec", ["tiny:qwen2-vl"])
 def test_an_unmixed_mrope_rotary_is_mixed_as_older_transformers_attention_does(monkeypatch, spec):
     """transformers 5.17 (the GPU image's) returns Qwen2-VL's rotary cos/sin per mrope component, (3, ..., D),
