@@ -71,7 +71,7 @@ def main() -> None:
                     prompts = [h + fresh(new) for h in histories[:rows]]
                 else:
                     prompts = [fresh(new) for _ in range(rows)]
-                got = measured(batch, lambda p=prompts: batch.admit(p, [1] * rows, reserve=4000))
+                got = measured(batch, lambda p=prompts: batch.admit(p, [1] * len(p), reserve=4000))
                 totals = [a + b for a, b in zip(totals, got, strict=True)]
                 batch.keep([], finished=dict(enumerate(prompts)) if kind == "next turn" else {})
                 if kind == "next turn":
