@@ -101,7 +101,7 @@ def main() -> None:
         mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
         mask = mask.unsqueeze(1).expand(rows, groups, width, span).reshape(rows, 1, groups * width, span)
         slot_ids = torch.tensor(slots, device=device)
-        plan = FlashRows.build(slots, starts, lengths, args.kv_heads, args.length, groups, device)
+        plan = FlashRows.build(slots, starts, lengths, args.kv_heads, args.length, device)
 
         old = functools.partial(gathered_attention, padded, keys, values, slot_ids, mask, span, scale)
         new = functools.partial(flash_cache_attention, q, keys, values, plan, scale)

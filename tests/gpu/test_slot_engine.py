@@ -438,17 +438,9 @@ def test_the_flash_extend_step_is_as_exact_as_the_padded_extend_step_in_bfloat16
 
     runs = [(s, len(h), t) for s, h, t in zip(slots, histories, turns, strict=True)]
     total, bucket = 256, 8
-    inputs, sequences = packed_rows(
-        runs,
-        total,
-        bucket,
-        shape.kv_heads,
-        bf16.config.num_attention_heads // shape.kv_heads,
-        length,
-        length - 1,
-    )
+    inputs, sequences = packed_rows(runs, total, bucket, shape.kv_heads, length, length - 1)
     count = shape.kv_heads * sequences_per_kv_head(total, bucket)
-    where = FlashRows.empty(count, WIDTH, length, bf16.config.num_attention_heads // shape.kv_heads, device)
+    where = FlashRows.empty(count, WIDTH, length, device)
     where.fill_(sequences.to(device))
     ids, flat_positions, token_slots, flat_last = inputs.to(device).split([total, total, total, bucket])
     shaped = (t.view(-1, WIDTH) for t in (token_slots, ids, flat_positions))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable
 
 import torch
 
@@ -31,7 +30,7 @@ from agentrl.rollout.engines._slot_decode import (
     text_model,
     through_layers,
 )
-from agentrl.rollout.engines.flash_attention import FlashRows, flash_cache_attention, merge_attention
+from agentrl.rollout.engines.flash_attention import FlashRows, flash_cache_attention
 
 WIDTH = 64
 """Tokens per row of the per-token parts: `EXTEND_MAX_TOKENS`, the width the compiled extend step has."""
@@ -64,17 +63,14 @@ def flash_cache_part(
     rows: FlashRows,
     scale: float,
     token_slots: torch.Tensor,
-    merge: Callable[..., torch.Tensor] = merge_attention,
 ) -> torch.Tensor:
     """A layer's part that touches the cache (as `cache_attention` is for `extend_step`): write each token's key
-    and value at its slot and position, attend over the rows' slots; (R, W, heads x D). `merge`: how the two
-    attention calls' outputs combine (`merge_attention`, compiled in the compiled step)."""
+    and value at its slot and position, attend over the rows' slots; (R, W, heads x D)."""
     packed_rows, heads, width, head_dim = q.shape
     tokens = packed_rows * width
     keys[token_slots.view(-1), :, positions.view(-1)] = k.transpose(1, 2).reshape(tokens, -1, head_dim)
     values[token_slots.view(-1), :, positions.view(-1)] = v.transpose(1, 2).reshape(tokens, -1, head_dim)
-    flat_q = q.transpose(1, 2).reshape(tokens, heads, head_dim)
-    out = flash_cache_attention(flat_q, keys, values, rows, scale, merge)
+    out = flash_cache_attention(q.transpose(1, 2).reshape(tokens, heads, head_dim), keys, values, rows, scale)
     return out.view(packed_rows, width, heads * head_dim)
 
 
@@ -118,13 +114,7 @@ def _cut(start: int, count: int) -> list[tuple[int, int]]:
 
 
 def packed_rows(
-    runs: list[tuple[int, int, list[int]]],
-    tokens: int,
-    rows: int,
-    kv_heads: int,
-    groups: int,
-    length: int,
-    sink: int,
+    runs: list[tuple[int, int, list[int]]], tokens: int, rows: int, kv_heads: int, length: int, sink: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Host inputs of `flash_extend_step` for `runs` (slot, first position, token ids; any length) padded to
     `tokens` tokens and `rows` rows: an int64 (3 x tokens + rows) tensor (token ids, positions, slots, then each
@@ -147,6 +137,5 @@ def packed_rows(
         [c[2] for c in cuts] + [0] * empty,
         kv_heads,
         length,
-        groups,
     )
     return torch.tensor(ids + positions + slots + last), sequences

@@ -68,11 +68,7 @@ from agentrl.rollout.engines._slot_decode import (
 )
 from agentrl.rollout.engines._stable_memory import StableMemory, stable_memory
 from agentrl.rollout.engines._staging import PinnedStaging
-from agentrl.rollout.engines.flash_attention import (
-    FlashRows,
-    flash_cache_attention_supported,
-    merge_attention,
-)
+from agentrl.rollout.engines.flash_attention import FlashRows, flash_cache_attention_supported
 from agentrl.rollout.engines.vision import (
     ImageInputs,
     ImagePrefill,
@@ -262,18 +258,11 @@ def compiled_extend_step(backend: Any = "inductor") -> Callable[..., torch.Tenso
 
 def compiled_flash_extend_step(backend: Any = "inductor") -> Callable[..., torch.Tensor]:
     """`flash_extend_step` with its inputs and the parts of each layer around the cache compiled: the same
-    compiled parts as `compiled_extend_step`'s (its packed tokens are rows of `EXTEND_MAX_TOKENS`), and the merge
-    of its two attention calls (one fused kernel instead of ~8 small ones a layer)."""
+    compiled parts as `compiled_extend_step`'s (its packed tokens are rows of `EXTEND_MAX_TOKENS`)."""
 
     def make() -> Callable[..., torch.Tensor]:
-        merge = _compiled(
-            "flash merge", backend, lambda: torch.compile(merge_attention, backend=backend, dynamic=True)
-        )
-        cache_part = functools.update_wrapper(
-            functools.partial(flash_cache_part, merge=merge), flash_cache_part
-        )
         regions = DecodeRegions(
-            _rows_marked_inputs(flash_extend_inputs, backend), _split_extend_layer(backend, cache_part)
+            _rows_marked_inputs(flash_extend_inputs, backend), _split_extend_layer(backend, flash_cache_part)
         )
         return functools.partial(flash_extend_step, regions=regions)
 
@@ -712,9 +701,7 @@ class SlotBatch:
             real = cap - room
             tokens, rows = _token_bucket(real), self._bucket(len(calls))
             runs = [(slot, start, ids) for _, slot, start, ids in calls]
-            inputs, sequences = packed_rows(
-                runs, tokens, rows, self.shape.kv_heads, self._groups, self.length, self.sink
-            )
+            inputs, sequences = packed_rows(runs, tokens, rows, self.shape.kv_heads, self.length, self.sink)
             out, started = self._flash_call(inputs, sequences, tokens, rows)
             for row, (i, _, start, ids) in enumerate(calls):
                 if start + len(ids) == prefill[i][1] + len(computed[i]):  # the prompt's last token
@@ -735,7 +722,7 @@ class SlotBatch:
             with torch.inference_mode(False):  # as `_extend_call`'s: the compiled step guards on it
                 flat = torch.zeros(inputs.shape, dtype=torch.long, device=self.device)
                 sequences_at = self.shape.kv_heads * sequences_per_kv_head(tokens, rows)
-                rows_at = FlashRows.empty(sequences_at, WIDTH, self.length, self._groups, self.device)
+                rows_at = FlashRows.empty(sequences_at, WIDTH, self.length, self.device)
             buffers = (flat, rows_at)
             if self.cuda_graphs:
                 self._extend_inputs[key] = buffers
@@ -1241,13 +1228,11 @@ class SlotBatch:
         which no row owns yet): what `compile_now` compiles it on. Inputs made outside inference mode, as
         `_flash_call`'s are."""
         tokens = MIN_BUCKET * WIDTH
-        inputs, sequences = packed_rows(
-            [], tokens, MIN_BUCKET, self.shape.kv_heads, self._groups, self.length, self.sink
-        )
+        inputs, sequences = packed_rows([], tokens, MIN_BUCKET, self.shape.kv_heads, self.length, self.sink)
         with torch.inference_mode(False):
             ids, positions, slots, last = inputs.to(self.device).split([tokens, tokens, tokens, MIN_BUCKET])
             sequences_at = self.shape.kv_heads * sequences_per_kv_head(tokens, MIN_BUCKET)
-            rows = FlashRows.empty(sequences_at, WIDTH, self.length, self._groups, self.device)
+            rows = FlashRows.empty(sequences_at, WIDTH, self.length, self.device)
         rows.fill_(sequences.to(self.device))
         shaped = (t.view(-1, WIDTH) for t in (slots, ids, positions))
         return self._flash_step(self.model, self.keys, self.values, *shaped, last, rows)

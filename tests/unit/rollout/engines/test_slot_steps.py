@@ -4,8 +4,6 @@ values. The CPU engine extends through the packed prefill, so `extend_step` (the
 on the CPU, and `flash_extend_step` with a reference of FlashAttention's varlen kernel in its place (the kernel
 itself runs only on a GPU: tests/gpu/test_slot_engine.py)."""
 
-import itertools
-
 import pytest
 import torch
 
@@ -46,33 +44,26 @@ def _reference(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0]
 
 
-def reference_varlen_kernel(q, k, v, cu_q, cu_k, seqused, max_q, max_k, scale, causal):
+def reference_varlen_kernel(q, k, v, rows: FlashRows, scale: float) -> torch.Tensor:
     """FlashAttention's varlen forward as documented, in plain torch: sequence i's queries q[cu_q[i]:cu_q[i+1]]
-    over keys k[cu_k[i]:cu_k[i]+seqused[i]], causal from the bottom right (the last query sees every key) or not,
-    the query heads sharing the kv heads in groups; the output and the log-sum-exp (heads, total_q), which is
-    +inf (the output 0) for a sequence with no keys. Rows no sequence covers stay NaN."""
+    over keys k[cu_k[i]:cu_k[i]+seqused[i]], causal from the bottom right (the last query sees every key), the
+    query heads sharing the kv heads in groups. Rows no sequence covers stay NaN."""
     out = torch.full_like(q, float("nan"))
-    lse = torch.full((q.shape[1], q.shape[0]), float("nan"))
     groups = q.shape[1] // k.shape[1]
-    cu_q, cu_k, used = cu_q.tolist(), cu_k.tolist(), seqused.tolist()
-    assert max(cu_q[i + 1] - cu_q[i] for i in range(len(used))) <= max_q
+    cu_q, cu_k, used = rows.cu_q.tolist(), rows.cu_k.tolist(), rows.seqused.tolist()
+    assert max(cu_q[i + 1] - cu_q[i] for i in range(len(used))) <= rows.max_q
     for i, n in enumerate(used):
         queries = q[cu_q[i] : cu_q[i + 1]]
         m = queries.shape[0]
         if m == 0:
             continue
-        if n == 0:
-            out[cu_q[i] : cu_q[i + 1]], lse[:, cu_q[i] : cu_q[i + 1]] = 0.0, float("inf")
-            continue
         keys = k[cu_k[i] : cu_k[i] + n].repeat_interleave(groups, dim=1)
         values = v[cu_k[i] : cu_k[i] + n].repeat_interleave(groups, dim=1)
         scores = torch.einsum("mhd,nhd->hmn", queries, keys) * scale
-        if causal:
-            seen = torch.arange(n)[None, :] <= torch.arange(m)[:, None] + (n - m)
-            scores = scores.masked_fill(~seen, float("-inf"))
-        lse[:, cu_q[i] : cu_q[i + 1]] = scores.logsumexp(-1)
-        out[cu_q[i] : cu_q[i + 1]] = torch.einsum("hmn,nhd->mhd", scores.softmax(-1), values)
-    return out, lse
+        seen = torch.arange(n)[None, :] <= torch.arange(m)[:, None] + (n - m)
+        weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        out[cu_q[i] : cu_q[i + 1]] = torch.einsum("hmn,nhd->mhd", weights, values)
+    return out
 
 
 @pytest.mark.parametrize("extend_with", ["extend_step", "prefill_slots", "flash_extend_step"])
@@ -99,19 +90,9 @@ def test_prefill_then_extend_then_decode_equal_one_forward(model, extend_with, m
         runs = list(zip(slots, head, chunks, strict=True))
         # one row more than the runs (an empty sequence), 3 x WIDTH tokens (the padding in three sequences)
         bucket, total = 4, 3 * WIDTH
-        inputs, sequences = packed_rows(
-            runs,
-            total,
-            bucket,
-            shape.kv_heads,
-            model.config.num_attention_heads // shape.kv_heads,
-            LENGTH,
-            LENGTH - 1,
-        )
+        inputs, sequences = packed_rows(runs, total, bucket, shape.kv_heads, LENGTH, LENGTH - 1)
         count = shape.kv_heads * sequences_per_kv_head(total, bucket)
-        where = FlashRows.empty(
-            count, WIDTH, LENGTH, model.config.num_attention_heads // shape.kv_heads, torch.device("cpu")
-        )
+        where = FlashRows.empty(count, WIDTH, LENGTH, torch.device("cpu"))
         where.fill_(sequences)
         ids, positions, token_slots, last = inputs.split([total, total, total, bucket])
         shaped = (t.view(-1, WIDTH) for t in (token_slots, ids, positions))
@@ -148,19 +129,14 @@ def test_packed_rows_cut_every_row_into_sequences_of_at_most_width_within_the_bu
     rng = random.Random(len(lengths))
     runs = [(slot, rng.randint(0, 40), [7] * n) for slot, n in enumerate(lengths)]
     tokens, rows, length = _token_bucket(sum(lengths)), 16, 512
-    inputs, sequences = packed_rows(runs, tokens, rows, 1, 3, length, length - 1)
+    inputs, sequences = packed_rows(runs, tokens, rows, 1, length, length - 1)
     count = sequences_per_kv_head(tokens, rows)
-    cu_q, cu_k, used, history_cu_q, history_cu_k, history_used = (
-        part.tolist() for part in sequences.split([count + 1, count + 1, count] * 2)
-    )
-    sizes = [b - a for a, b in itertools.pairwise(cu_q)]
-    assert cu_q[-1] == tokens and max(sizes) <= WIDTH and min(sizes) >= 0 and used == sizes
-    assert history_cu_q == [3 * c for c in cu_q]  # the groups' heads as rows
-    covered = []  # (slot, position) of each query, in packing order: its own keys start at its sequence's
+    cu_q, cu_k, used = sequences.split([count + 1, count + 1, count])
+    sizes = (cu_q[1:] - cu_q[:-1]).tolist()
+    assert cu_q[-1] == tokens and max(sizes) <= WIDTH and min(sizes) >= 0
+    covered = []  # (slot, position) each real query reads up to, in packing order
     for i, n in enumerate(sizes):
-        slot, start = divmod(cu_k[i], length)
-        assert history_cu_k[i] == slot * length and history_used[i] == start  # the history: all before it
-        covered += [(slot, start + j) for j in range(n)]
+        covered += [(cu_k[i].item() // length, used[i].item() - n + j) for j in range(n)]
     positions = inputs[tokens : 2 * tokens].tolist()
     slots = inputs[2 * tokens : 3 * tokens].tolist()
     real = sum(lengths)
@@ -168,9 +144,9 @@ def test_packed_rows_cut_every_row_into_sequences_of_at_most_width_within_the_bu
     last = inputs[3 * tokens :].tolist()
     assert last[: len(runs)] == [sum(lengths[: i + 1]) - 1 for i in range(len(runs))]
     with pytest.raises(ValueError, match="do not fit"):
-        packed_rows(runs, tokens, len(runs) - 1, 1, 1, length, length - 1)
+        packed_rows(runs, tokens, len(runs) - 1, 1, length, length - 1)
     with pytest.raises(ValueError, match="do not fit"):
-        packed_rows(runs, real - 1, rows, 1, 1, length, length - 1)
+        packed_rows(runs, real - 1, rows, 1, length, length - 1)
 
 
 def test_the_flash_path_prefills_prompts_longer_than_a_forward_across_forwards_exactly(model, monkeypatch):
