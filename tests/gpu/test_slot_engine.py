@@ -403,8 +403,8 @@ def test_the_flash_extend_step_is_as_exact_as_the_padded_extend_step_in_bfloat16
     from agentrl.rollout.engines._flash_extend import (
         WIDTH,
         flash_extend_step,
+        flash_sequences,
         packed_rows,
-        sequences_per_kv_head,
     )
     from agentrl.rollout.engines._slot_decode import KVShape, extend_step, prefill_slots
     from agentrl.rollout.engines.flash_attention import FlashRows, flash_cache_attention_supported
@@ -439,7 +439,7 @@ def test_the_flash_extend_step_is_as_exact_as_the_padded_extend_step_in_bfloat16
     runs = [(s, len(h), t) for s, h, t in zip(slots, histories, turns, strict=True)]
     total, bucket = 256, 8
     inputs, sequences = packed_rows(runs, total, bucket, shape.kv_heads, length, length - 1)
-    count = shape.kv_heads * sequences_per_kv_head(total, bucket)
+    count = flash_sequences(total, bucket)
     where = FlashRows.empty(count, WIDTH, length, device)
     where.fill_(sequences.to(device))
     ids, flat_positions, token_slots, flat_last = inputs.to(device).split([total, total, total, bucket])

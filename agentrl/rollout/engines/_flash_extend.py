@@ -62,16 +62,25 @@ def flash_cache_part(
     positions: torch.Tensor,
     rows: FlashRows,
     scale: float,
-    token_slots: torch.Tensor,
+    cache_rows: torch.Tensor,
 ) -> torch.Tensor:
     """A layer's part that touches the cache (as `cache_attention` is for `extend_step`): write each token's key
-    and value at its slot and position, attend over the rows' slots; (R, W, heads x D)."""
-    packed_rows, heads, width, head_dim = q.shape
-    tokens = packed_rows * width
-    keys[token_slots.view(-1), :, positions.view(-1)] = k.transpose(1, 2).reshape(tokens, -1, head_dim)
-    values[token_slots.view(-1), :, positions.view(-1)] = v.transpose(1, 2).reshape(tokens, -1, head_dim)
+    and value where `cache_rows` says (`cache_rows_of`: one indexed copy each), attend over the rows' slots;
+    (R, W, heads x D)."""
+    widths, heads, width, head_dim = q.shape
+    tokens = widths * width
+    keys.view(-1, head_dim).index_copy_(0, cache_rows, k.transpose(1, 2).reshape(-1, head_dim))
+    values.view(-1, head_dim).index_copy_(0, cache_rows, v.transpose(1, 2).reshape(-1, head_dim))
     out = flash_cache_attention(q.transpose(1, 2).reshape(tokens, heads, head_dim), keys, values, rows, scale)
-    return out.view(packed_rows, width, heads * head_dim)
+    return out.view(widths, width, heads * head_dim)
+
+
+def cache_rows_of(token_slots: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Where each token's key (or value) of each kv head lies in the cache viewed as (-1, D): (tokens x kv heads,)
+    in the tokens' order, the same in every layer (so made once a forward, not indexed per layer)."""
+    _, kv_heads, length, _ = cache.shape
+    heads = torch.arange(kv_heads, device=token_slots.device)
+    return ((token_slots.reshape(-1, 1) * kv_heads + heads) * length + positions.reshape(-1, 1)).view(-1)
 
 
 @torch.inference_mode()
@@ -91,7 +100,8 @@ def flash_extend_step(
     which tokens form each row and how much of its slot each reads (`packed_rows`)."""
     regions = regions or PLAIN_FLASH_REGIONS
     hidden, x, cos, sin = regions.inputs(model, token_ids, positions, None, 0)
-    x = through_layers(model, regions, keys, values, hidden, x, cos, sin, positions, rows, token_slots)
+    cache_rows = cache_rows_of(token_slots, positions, keys[0])
+    x = through_layers(model, regions, keys, values, hidden, x, cos, sin, positions, rows, cache_rows)
     return model.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, last))
 
 
@@ -100,10 +110,10 @@ PLAIN_FLASH_REGIONS = DecodeRegions(
 )
 
 
-def sequences_per_kv_head(tokens: int, rows: int) -> int:
-    """Sequences of a `flash_extend_step` of `tokens` tokens (a multiple of `WIDTH`) and `rows` rows, per kv head:
-    enough for the rows cut into runs of at most `WIDTH` tokens and the padding's runs. Cutting a row of n tokens
-    makes ceil(n / WIDTH) <= 1 + (n - 1) // WIDTH sequences, so the real ones and the padding's number at most
+def flash_sequences(tokens: int, rows: int) -> int:
+    """Sequences of a `flash_extend_step` of `tokens` tokens (a multiple of `WIDTH`) and `rows` rows: enough for
+    the rows cut into runs of at most `WIDTH` tokens and the padding's runs. Cutting a row of n tokens makes
+    ceil(n / WIDTH) <= 1 + (n - 1) // WIDTH sequences, so the real ones and the padding's number at most
     rows + tokens // WIDTH; the rest are empty."""
     return rows + tokens // WIDTH
 
@@ -118,8 +128,8 @@ def packed_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Host inputs of `flash_extend_step` for `runs` (slot, first position, token ids; any length) padded to
     `tokens` tokens and `rows` rows: an int64 (3 x tokens + rows) tensor (token ids, positions, slots, then each
-    row's last token index) and `FlashRows.host_arrays` for `sequences_per_kv_head` sequences per kv head (each
-    run cut into sequences of at most `WIDTH` tokens, then the padding's, the rest empty)."""
+    row's last token index) and `FlashRows.host_arrays` for `flash_sequences` sequences (each run cut into
+    sequences of at most `WIDTH` tokens, then the padding's, the rest empty)."""
     lengths = [len(ids) for _, _, ids in runs]
     pad = tokens - sum(lengths)
     if pad < 0 or len(runs) > rows:
@@ -130,7 +140,7 @@ def packed_rows(
     last = [end - 1 for end in itertools.accumulate(lengths)] + [0] * (rows - len(runs))
     cuts = [(slot, *part) for slot, start, run in runs for part in _cut(start, len(run))]
     cuts += [(0, 0, n) for _, n in _cut(0, pad)]  # the padding: each over slot 0's first n positions
-    empty = sequences_per_kv_head(tokens, rows) - len(cuts)
+    empty = flash_sequences(tokens, rows) - len(cuts)
     sequences = FlashRows.host_arrays(
         [c[0] for c in cuts] + [0] * empty,
         [c[1] for c in cuts] + [0] * empty,

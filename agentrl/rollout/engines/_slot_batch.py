@@ -47,8 +47,8 @@ from agentrl.rollout.engines._flash_extend import (
     flash_cache_part,
     flash_extend_inputs,
     flash_extend_step,
+    flash_sequences,
     packed_rows,
-    sequences_per_kv_head,
 )
 from agentrl.rollout.engines._prefix_cache import PrefixCache, PrefixMatch, shared_prefixes
 from agentrl.rollout.engines._sampling import as_int64, policy_logprob, sample_on_device
@@ -721,7 +721,7 @@ class SlotBatch:
         if buffers is None:
             with torch.inference_mode(False):  # as `_extend_call`'s: the compiled step guards on it
                 flat = torch.zeros(inputs.shape, dtype=torch.long, device=self.device)
-                sequences_at = self.shape.kv_heads * sequences_per_kv_head(tokens, rows)
+                sequences_at = flash_sequences(tokens, rows)
                 rows_at = FlashRows.empty(sequences_at, WIDTH, self.length, self.device)
             buffers = (flat, rows_at)
             if self.cuda_graphs:
@@ -1231,7 +1231,7 @@ class SlotBatch:
         inputs, sequences = packed_rows([], tokens, MIN_BUCKET, self.shape.kv_heads, self.length, self.sink)
         with torch.inference_mode(False):
             ids, positions, slots, last = inputs.to(self.device).split([tokens, tokens, tokens, MIN_BUCKET])
-            sequences_at = self.shape.kv_heads * sequences_per_kv_head(tokens, MIN_BUCKET)
+            sequences_at = flash_sequences(tokens, MIN_BUCKET)
             rows = FlashRows.empty(sequences_at, WIDTH, self.length, self.device)
         rows.fill_(sequences.to(self.device))
         shaped = (t.view(-1, WIDTH) for t in (slots, ids, positions))

@@ -273,7 +273,8 @@ def through_layers(
 ) -> torch.Tensor:
     """Every decoder layer of a step (`regions.layer` on each layer's cache); the last layer's output through
     the final norm. `visible`: what the layer's cache part reads to know which positions each row sees (a mask,
-    or `_flash_extend`'s `FlashRows`); `slots`: the extend steps' slot of each row (or token)."""
+    or `_flash_extend`'s `FlashRows`); `slots`: `extend_step`'s slot of each row, or `flash_extend_step`'s
+    cache rows of each token (`cache_rows_of`)."""
     head_dim = KVShape.of(model).head_dim
     inner = text_model(model)
     layers = inner.layers

@@ -5,16 +5,19 @@ the rows' slots out of the cache (`index_select`, every layer) and call SDPA wit
 a 16-row extend forward spent 2.0 of its ~5 ms there. FlashAttention's varlen kernel reads keys and values where
 they lie and takes the queries packed, with no mask.
 
-The cache stays as the decode step wants it, (slots, kv heads, positions, head dim): each (slot, kv head) holds
-its positions contiguously, so viewed as one run of (positions, 1 kv head, head dim) each (kv head, row) is one
-sequence of the call, its keys starting at that (slot, kv head)'s first position (`cu_k`) and `seqused` long,
-its queries that row's tokens under that kv head's query heads (grouped-query attention in the kernel). Causal
-alignment is FlashAttention's for fewer queries than keys: a row's last token sees all its `seqused` keys.
+The cache stays as the decode step wants it, (slots, kv heads, positions, head dim), and the kernel reads it
+through a strided view, (runs, kv heads, head dim) with a position's stride D and a kv head's stride positions x D
+(`cache_view`): run slot x kv heads x positions + p is position p of that slot, under every kv head. So each
+row is one sequence of the call, its keys starting at its slot's first run (`cu_k`) and `seqused` long, its
+queries its packed tokens under all query heads (grouped-query attention in the kernel; no copy of the queries
+or the output into another layout). Causal alignment is FlashAttention's for fewer queries than keys: a row's
+last token sees all its `seqused` keys.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -40,15 +43,14 @@ def flash_cache_attention_supported(device: torch.device, dtype: torch.dtype) ->
 class FlashRows:
     """Where a forward's rows are in the cache, as the varlen kernel reads it (device tensors, int32).
 
-    Sequence h x rows + r is row r under kv head h. Filled into fixed buffers (`fill_`), the same object serves a
-    CUDA graph replay after replay."""
+    Filled into fixed buffers (`fill_`), the same object serves a CUDA graph replay after replay."""
 
     cu_q: torch.Tensor
-    """(kv_heads x rows + 1,) where each sequence's queries start in the (kv_heads x tokens) packed queries."""
+    """(rows + 1,) where each sequence's queries start in the packed tokens."""
     cu_k: torch.Tensor
-    """(kv_heads x rows + 1,) where each sequence's keys start in the cache viewed as one run of positions."""
+    """(rows + 1,) where each sequence's keys start among `cache_view`'s runs."""
     seqused: torch.Tensor
-    """(kv_heads x rows,) cached positions each sequence reads: its row's start + its new tokens."""
+    """(rows,) cached positions each sequence reads: its row's start + its new tokens."""
     max_q: int
     max_k: int
 
@@ -57,14 +59,10 @@ class FlashRows:
         slots: list[int], starts: list[int], lengths: list[int], kv_heads: int, length: int
     ) -> torch.Tensor:
         """The three index tensors as one host int32 tensor (cu_q, cu_k, seqused): one copy to the device."""
-        tokens = sum(lengths)
-        cu, reach = [0], []
-        for start, n in zip(starts, lengths, strict=True):
-            cu.append(cu[-1] + n)
-            reach.append(start + n)
-        cu_q = [h * tokens + c for h in range(kv_heads) for c in cu[:-1]] + [kv_heads * tokens]
-        cu_k = [(slot * kv_heads + h) * length for h in range(kv_heads) for slot in slots] + [0]
-        return torch.tensor(cu_q + cu_k + reach * kv_heads, dtype=torch.int32)
+        cu_q = [0, *itertools.accumulate(lengths)]
+        cu_k = [slot * kv_heads * length for slot in slots] + [0]
+        reach = [start + n for start, n in zip(starts, lengths, strict=True)]
+        return torch.tensor(cu_q + cu_k + reach, dtype=torch.int32)
 
     @classmethod
     def empty(cls, sequences: int, max_q: int, max_k: int, device: torch.device) -> FlashRows:
@@ -94,9 +92,18 @@ class FlashRows:
     ) -> FlashRows:
         """The rows' tensors, sized to them (no graph)."""
         max_k = max(s + n for s, n in zip(starts, lengths, strict=True))
-        rows = cls.empty(kv_heads * len(slots), max(lengths), max_k, device)
+        rows = cls.empty(len(slots), max(lengths), max_k, device)
         rows.fill_(cls.host_arrays(slots, starts, lengths, kv_heads, length).to(device))
         return rows
+
+
+def cache_view(cache: torch.Tensor) -> torch.Tensor:
+    """The (slots, kv heads, positions, D) cache as the kernel's keys or values, (runs, kv heads, D): run
+    slot x kv heads x positions + p holds position p of that slot, kv head h at h x positions x D further on
+    (the last kv_heads - 1 slots' worth of runs are left out: their heads would lie past the cache)."""
+    slots, kv_heads, length, head_dim = cache.shape
+    runs = (slots * kv_heads - kv_heads + 1) * length
+    return cache.as_strided((runs, kv_heads, head_dim), (head_dim, length * head_dim, 1))
 
 
 def flash_cache_attention(
@@ -104,16 +111,7 @@ def flash_cache_attention(
 ) -> torch.Tensor:
     """Packed queries `q` (tokens, heads, D) attending causally over their rows' cache (slots, kv heads,
     positions, D), their own keys and values already written there; (tokens, heads, D)."""
-    tokens, heads, head_dim = q.shape
-    kv_heads = keys.shape[1]
-    groups = heads // kv_heads
-    per_head = (
-        q.view(tokens, kv_heads, groups, head_dim)
-        .transpose(0, 1)
-        .reshape(kv_heads * tokens, groups, head_dim)
-    )
-    out = varlen_kernel(per_head, keys.view(-1, 1, head_dim), values.view(-1, 1, head_dim), rows, scale)
-    return out.view(kv_heads, tokens, groups, head_dim).transpose(0, 1).reshape(tokens, heads, head_dim)
+    return varlen_kernel(q, cache_view(keys), cache_view(values), rows, scale)
 
 
 def varlen_kernel(

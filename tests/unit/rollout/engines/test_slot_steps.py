@@ -11,8 +11,8 @@ from agentrl.rollout.engines import flash_attention
 from agentrl.rollout.engines._flash_extend import (
     WIDTH,
     flash_extend_step,
+    flash_sequences,
     packed_rows,
-    sequences_per_kv_head,
 )
 from agentrl.rollout.engines._slot_batch import weight_layout
 from agentrl.rollout.engines._slot_decode import (
@@ -91,7 +91,7 @@ def test_prefill_then_extend_then_decode_equal_one_forward(model, extend_with, m
         # one row more than the runs (an empty sequence), 3 x WIDTH tokens (the padding in three sequences)
         bucket, total = 4, 3 * WIDTH
         inputs, sequences = packed_rows(runs, total, bucket, shape.kv_heads, LENGTH, LENGTH - 1)
-        count = shape.kv_heads * sequences_per_kv_head(total, bucket)
+        count = flash_sequences(total, bucket)
         where = FlashRows.empty(count, WIDTH, LENGTH, torch.device("cpu"))
         where.fill_(sequences)
         ids, positions, token_slots, last = inputs.split([total, total, total, bucket])
@@ -121,7 +121,7 @@ def test_prefill_then_extend_then_decode_equal_one_forward(model, extend_with, m
 @pytest.mark.parametrize("lengths", [[150, 1, 64], [64, 65, 127, 128, 129], [3] * 9, [300]])
 def test_packed_rows_cut_every_row_into_sequences_of_at_most_width_within_the_bucket(lengths):
     """Rows of any length are cut into consecutive sequences of at most `WIDTH` tokens of one slot, each reading
-    its slot up to its own last token; they and the padding's fit `sequences_per_kv_head` whatever the lengths."""
+    its slot up to its own last token; they and the padding's fit `flash_sequences` whatever the lengths."""
     import random
 
     from agentrl.rollout.engines._slot_batch import _token_bucket
@@ -130,7 +130,7 @@ def test_packed_rows_cut_every_row_into_sequences_of_at_most_width_within_the_bu
     runs = [(slot, rng.randint(0, 40), [7] * n) for slot, n in enumerate(lengths)]
     tokens, rows, length = _token_bucket(sum(lengths)), 16, 512
     inputs, sequences = packed_rows(runs, tokens, rows, 1, length, length - 1)
-    count = sequences_per_kv_head(tokens, rows)
+    count = flash_sequences(tokens, rows)
     cu_q, cu_k, used = sequences.split([count + 1, count + 1, count])
     sizes = (cu_q[1:] - cu_q[:-1]).tolist()
     assert cu_q[-1] == tokens and max(sizes) <= WIDTH and min(sizes) >= 0
