@@ -134,6 +134,8 @@ def packed_rows(
     pad = tokens - sum(lengths)
     if pad < 0 or len(runs) > rows:
         raise ValueError(f"{sum(lengths)} tokens in {len(runs)} rows do not fit {tokens} tokens, {rows} rows")
+    if 0 in lengths:  # its logits would be the row's before it
+        raise ValueError(f"row {lengths.index(0)} has no tokens to compute")
     ids = [t for _, _, run in runs for t in run] + [0] * pad
     positions = [p for _, start, run in runs for p in range(start, start + len(run))] + [sink] * pad
     slots = [slot for slot, _, run in runs for _ in run] + [runs[0][0] if runs else 0] * pad

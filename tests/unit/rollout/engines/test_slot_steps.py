@@ -147,6 +147,8 @@ def test_packed_rows_cut_every_row_into_sequences_of_at_most_width_within_the_bu
         packed_rows(runs, tokens, len(runs) - 1, 1, length, length - 1)
     with pytest.raises(ValueError, match="do not fit"):
         packed_rows(runs, real - 1, rows, 1, length, length - 1)
+    with pytest.raises(ValueError, match="row 1 has no tokens"):
+        packed_rows([runs[0], (5, 3, [])], tokens, rows, 1, length, length - 1)
 
 
 def test_the_flash_path_prefills_prompts_longer_than_a_forward_across_forwards_exactly(model, monkeypatch):
