@@ -457,3 +457,37 @@ def test_the_flash_extend_step_is_as_exact_as_the_padded_extend_step_in_bfloat16
             apart = (mine[slots[i], :, at].float() - theirs[slots[i], :, at].float()).norm()
             assert apart <= 3e-2 * theirs[slots[i], :, at].float().norm(), (i, apart)
     assert not any(cache.isnan().any() for cache in keys + values)
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_first_turns_longer_than_a_flash_sequence_and_a_next_turn_are_exact_in_bfloat16(model, cuda_graphs):
+    """Every text prompt goes through `flash_extend_step`: first turns of 300 and 150 tokens (cut into
+    sequences of at most 64) and a 40-token next turn over a parked history, at most 128 tokens a forward (the
+    300-token prompt continues over three forwards), under CUDA graphs and without (`enforce_eager`). Against a
+    float32 forward of each whole sequence, the last logits are no further off than a plain bf16 forward's of
+    the same sequence (within bf16 rounding carried through the layers)."""
+    from agentrl.rollout.engines._slot_batch import SlotBatch
+
+    bf16 = load_causal_lm(SHAPE, dtype="bfloat16", device="cuda").eval()
+    bf16.load_state_dict(model.state_dict())
+    batch = SlotBatch(
+        bf16, max_slots=8, max_model_len=1024, cuda_graphs=cuda_graphs, prefill_chunk_tokens=128
+    )
+    assert batch._flash_step is not None
+    generator = torch.Generator().manual_seed(5)
+    history = torch.randint(10, 5000, (200,), generator=generator).tolist()
+    batch.admit([history], [1], reserve=512)
+    batch.keep([], finished={0: history})
+    prompts = [torch.randint(10, 5000, (n,), generator=generator).tolist() for n in (300, 150)]
+    prompts.append(history + torch.randint(10, 5000, (40,), generator=generator).tolist())
+    packed = batch.counters["packed_forwards"]
+    logits = batch.admit(prompts, [1, 1, 1], reserve=512)
+    assert batch.counters["packed_forwards"] == packed  # nothing through the eager packed forward
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            reference = model(ids).logits[0, -1]
+            plain = bf16(ids).logits[0, -1].float()
+        error = (logits[i].float() - reference).abs().max().item()
+        plain_error = (plain - reference).abs().max().item()
+        assert error <= 1.5 * plain_error + 0.05, (i, error, plain_error)
