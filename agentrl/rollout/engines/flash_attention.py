@@ -99,8 +99,9 @@ class FlashRows:
 
 def cache_view(cache: torch.Tensor) -> torch.Tensor:
     """The (slots, kv heads, positions, D) cache as the kernel's keys or values, (runs, kv heads, D): run
-    slot x kv heads x positions + p holds position p of that slot, kv head h at h x positions x D further on
-    (the last kv_heads - 1 slots' worth of runs are left out: their heads would lie past the cache)."""
+    slot x kv heads x positions + p holds position p of that slot, kv head h at h x positions x D further on.
+    The view ends (kv heads - 1) x positions runs early, where kv heads past the first would lie past the cache;
+    no slot starts there."""
     slots, kv_heads, length, head_dim = cache.shape
     runs = (slots * kv_heads - kv_heads + 1) * length
     return cache.as_strided((runs, kv_heads, head_dim), (head_dim, length * head_dim, 1))
