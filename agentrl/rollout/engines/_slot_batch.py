@@ -94,8 +94,9 @@ MIN_EXTEND_WIDTH = 16
 PREFILL_MASK_ELEMENTS = 1 << 26
 """Most attention-mask elements (rows x query rows x keys) one prefill forward builds: bounds its memory."""
 PREFILL_PATHS = ("extend", "packed")
-"""The two prefill forwards, counted apart: under CUDA graphs (`flash_extend_step`: every text prompt;
-`extend_step`: short runs) and `prefill_slots` (eager, packed)."""
+"""The two prefill paths, counted apart: `extend` (`flash_extend_step`, every text prompt where FlashAttention
+reads the cache, under CUDA graphs or eagerly; else `extend_step`, short runs under CUDA graphs) and `packed`
+(`prefill_slots`, eager)."""
 
 
 @dataclass
@@ -329,8 +330,8 @@ class SlotBatch:
             self._decode_step = compiled_decode_step()
             self._extend_step = compiled_extend_step()
         self._flash_step: Callable[..., torch.Tensor] | None = None
-        """`flash_extend_step` (compiled with the others) where FlashAttention reads the cache in place: it
-        replaces `_extend_step` for text prompts (`_flash_extend`)."""
+        """`flash_extend_step` (compiled with the others under CUDA graphs) where FlashAttention reads the cache in
+        place: it prefills every text prompt (`_flash_extend`), in place of `_extend_step` and `prefill_slots`."""
         if flash_cache_attention_supported(self.device, self.shape.dtype):
             compiled = compile_decode and self.cuda_graphs
             self._flash_step = compiled_flash_extend_step() if compiled else flash_extend_step
