@@ -1,12 +1,13 @@
 """An agent's next turns' attention over their cached histories, timed alone on a GPU: the extend step's
 attention as it was (queries padded to the widest turn, the rows' slots gathered out of the cache, one SDPA call
-with an additive mask) against FlashAttention reading the slot cache in place (`flash_attention.py`: packed
-queries, no mask, no gather). Both run as one CUDA graph of `--layers` calls, as a forward's layers do.
+with an additive mask), FlashAttention's varlen kernel reading the slot cache in place (`flash_attention.py`:
+packed queries, no mask, no gather), and the Triton kernel that splits each row's keys and packs a kv head's
+query heads (`split_attention.py`). Each runs as one CUDA graph of `--layers` calls, as a forward's layers do.
 
     python benchmarks/extend_attention.py --rows 8 16 32 64 --new 64 --history 900
 
-Prints one JSON line per row count: milliseconds a forward for each, their ratio and the largest difference of
-their outputs.
+Prints one JSON line per row count: milliseconds a forward for each, the ratios and the largest difference of
+each output from the padded SDPA's.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import torch.nn.functional as F
 
 from agentrl.rollout.engines.flash_attention import (
     FlashRows,
-    flash_cache_attention,
+    cache_view,
     flash_cache_attention_supported,
+    varlen_kernel,
 )
+from agentrl.rollout.engines.split_attention import split_cache_attention
 
 
 def gathered_attention(q_padded, keys, values, slot_ids, mask, span, scale):
@@ -104,11 +107,14 @@ def main() -> None:
         plan = FlashRows.build(slots, starts, lengths, args.kv_heads, args.length, device)
 
         old = functools.partial(gathered_attention, padded, keys, values, slot_ids, mask, span, scale)
-        new = functools.partial(flash_cache_attention, q, keys, values, plan, scale)
-        reference = old().reshape(rows, args.heads, width, args.head_dim).transpose(1, 2)[row_of, offset]
-        difference = (new().float() - reference.float()).abs().max().item()
-        old_ms = time_graph(old, args.layers, args.repeats)
-        new_ms = time_graph(new, args.layers, args.repeats)
+        flash = functools.partial(varlen_kernel, q, cache_view(keys), cache_view(values), plan, scale)
+        split = functools.partial(split_cache_attention, q, keys, values, plan, scale)
+        reference = (
+            old().reshape(rows, args.heads, width, args.head_dim).transpose(1, 2)[row_of, offset].float()
+        )
+        old_ms, flash_ms, split_ms = (
+            time_graph(step, args.layers, args.repeats) for step in (old, flash, split)
+        )
         print(
             json.dumps(
                 {
@@ -116,9 +122,11 @@ def main() -> None:
                     "tokens": total,
                     "span": span,
                     "gathered_sdpa_ms": round(old_ms, 3),
-                    "flash_ms": round(new_ms, 3),
-                    "ratio": round(old_ms / new_ms, 2),
-                    "max_abs_difference": difference,
+                    "flash_ms": round(flash_ms, 3),
+                    "split_ms": round(split_ms, 3),
+                    "flash_over_split": round(flash_ms / split_ms, 2),
+                    "flash_max_abs_difference": (flash().float() - reference).abs().max().item(),
+                    "split_max_abs_difference": (split().float() - reference).abs().max().item(),
                 }
             )
         )

@@ -9,7 +9,7 @@ replay: captures and input copies are host work, not counted). A first-turn case
 prompts of that many tokens instead (no cached history).
 
     python benchmarks/prefill_forward.py --model tiny:qwen2.5-0.5b-shape --rows 4 8 16 32 64 --new 48 \\
-        --first 256
+        --first 256 [--attention flash]
 
 Prints one JSON line per case: rows, tokens a forward, forwards, milliseconds a forward, tokens/s.
 """
@@ -23,6 +23,7 @@ import random
 import torch
 
 from agentrl.models import load_causal_lm
+from agentrl.rollout.engines import flash_attention
 from agentrl.rollout.engines._slot_batch import SlotBatch
 
 
@@ -47,12 +48,28 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=0, help="also admit fresh prompts of this many tokens")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--attention",
+        choices=["split", "flash"],
+        default="split",
+        help="the cache attention: the Triton split kernel (the engine's own where Triton is) or FlashAttention's",
+    )
     args = parser.parse_args()
+    if args.attention == "flash":
+        flash_attention.split_attention_available = lambda: False
     rng = random.Random(args.seed)
     model = load_causal_lm(args.model, dtype=args.dtype, device="cuda").eval()
     slots = 2 * max(args.rows)
     batch = SlotBatch(model, max_slots=slots, max_model_len=4096, cuda_graphs=True, compile_decode=True)
-    print(json.dumps({"torch": torch.__version__, "compile_s": round(batch.compile_now(), 1)}))
+    print(
+        json.dumps(
+            {
+                "torch": torch.__version__,
+                "attention": args.attention,
+                "compile_s": round(batch.compile_now(), 1),
+            }
+        )
+    )
     vocab = model.config.vocab_size
 
     def fresh(n: int) -> list[int]:

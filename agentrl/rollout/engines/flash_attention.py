@@ -111,8 +111,25 @@ def flash_cache_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: FlashRows, scale: float
 ) -> torch.Tensor:
     """Packed queries `q` (tokens, heads, D) attending causally over their rows' cache (slots, kv heads,
-    positions, D), their own keys and values already written there; (tokens, heads, D)."""
+    positions, D), their own keys and values already written there; (tokens, heads, D). Through
+    `split_attention.split_cache_attention` where Triton is (every CUDA build of PyTorch brings it), else
+    FlashAttention's varlen kernel."""
+    if q.is_cuda and split_attention_available():
+        from agentrl.rollout.engines.split_attention import split_cache_attention
+
+        return split_cache_attention(q, keys, values, rows, scale)
     return varlen_kernel(q, cache_view(keys), cache_view(values), rows, scale)
+
+
+@functools.cache
+def split_attention_available() -> bool:
+    """Whether Triton imports, for `split_cache_attention` (benchmarks/extend_attention.py sets it aside to time
+    FlashAttention's kernel instead)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def varlen_kernel(

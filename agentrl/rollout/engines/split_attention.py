@@ -1,0 +1,165 @@
+"""Attention of packed new tokens over the slot cache, split along the keys and grouped by kv head (Triton).
+
+FlashAttention's varlen kernel gives each (sequence, query head) a block of 128 query rows and walks that
+sequence's keys in one program: an agent's next turn of ~48 tokens fills 48 of the 128 rows, and its ~1,000
+cached keys are eight steps one after another, so a 12-row forward of the 0.5B shape spent 51 us a layer there
+(two fifths of the forward) for work an H200 does in a few. This kernel
+- takes a kv head's query heads together as one block's rows (grouped-query attention packed: row r is token
+  r // groups under query head r % groups of that kv head), so one load of a key block serves all of them;
+- splits each sequence's keys into `SPLITS` ranges, each its own program, and merges their partial outputs by
+  their log-sum-exps in a second kernel (what flash-decoding does for one query).
+
+It reads the same `FlashRows` as the varlen kernel and the cache where it lies, (slots, kv heads, positions, D):
+sequence i's queries are q[cu_q[i]:cu_q[i+1]], its keys under kv head h the `seqused[i]` positions from flat
+row cu_k[i] + h x positions, and query j sees the keys up to seqused[i] - n + j (causal from the bottom right).
+Every token of q belongs to a sequence (`packed_rows` gives the padding sequences of its own), so every output
+row is written.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from agentrl.rollout.engines.flash_attention import FlashRows
+
+SPLITS = 4
+"""Key ranges per sequence, at most: ~1,000 cached keys in four programs of ~4 steps of `BLOCK_N`."""
+MIN_SPLIT_KEYS = 256
+"""Keys a range holds at least: a sequence of fewer keys (a first turn's first sequences) runs in fewer programs,
+whose partial outputs (float32, written and read again by the merge) cost more than its keys do."""
+BLOCK_M = 128
+"""Query rows (tokens x query heads of one kv head) per program."""
+BLOCK_N = 64
+"""Keys per step of a program."""
+
+
+@functools.cache
+def _kernels():  # noqa: ANN202 (Triton's JIT functions, built on first use so that CPU hosts never import Triton)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def partial_attention(
+        q_ptr, k_ptr, v_ptr, cu_q, cu_k, seqused, out_ptr, lse_ptr,
+        scale, length, tokens,
+        stride_qt, stride_qh,
+        GROUPS: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, M_BLOCKS: tl.constexpr,
+        SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
+    ):  # fmt: skip
+        sequence = tl.program_id(0) // M_BLOCKS
+        m_block = tl.program_id(0) % M_BLOCKS
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        q_start = tl.load(cu_q + sequence)
+        n = tl.load(cu_q + sequence + 1) - q_start
+        if m_block * BLOCK_M >= n * GROUPS:
+            return
+        keys_used = tl.load(seqused + sequence)
+        first_own = keys_used - n  # position of the sequence's first query
+        key_base = tl.load(cu_k + sequence).to(tl.int64) + kv_head * length
+        rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        token = rows // GROUPS
+        head = kv_head * GROUPS + rows % GROUPS
+        row_ok = token < n
+        dims = tl.arange(0, HEAD_DIM)
+        q_rows = (q_start + token).to(tl.int64) * stride_qt + head * stride_qh
+        q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+        query_position = first_own + token
+        per_split = tl.maximum(tl.cdiv(tl.cdiv(keys_used, SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
+        begin = split * per_split
+        end = tl.minimum(begin + per_split, keys_used)
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        scale_log2 = scale * 1.4426950408889634
+        for start in range(begin, end, BLOCK_N):
+            positions = start + tl.arange(0, BLOCK_N)
+            key_ok = positions < end
+            at = (key_base + positions)[:, None] * HEAD_DIM + dims[None, :]
+            k = tl.load(k_ptr + at, mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + at, mask=key_ok[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale_log2
+            seen = key_ok[None, :] & (positions[None, :] <= query_position[:, None])
+            scores = tl.where(seen, scores, float("-inf"))
+            new_top = tl.maximum(top, tl.max(scores, 1))
+            safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)
+            weights = tl.exp2(scores - safe_top[:, None])
+            rescale = tl.exp2(top - safe_top)
+            total = total * rescale + tl.sum(weights, 1)
+            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
+            top = new_top
+        seen_any = total > 0
+        out = acc / tl.where(seen_any, total, 1.0)[:, None]
+        lse = tl.where(seen_any, top + tl.log2(tl.where(seen_any, total, 1.0)), float("-inf"))
+        at = (split * tokens + q_start + token).to(tl.int64) * HEADS + head
+        # An empty range writes only its log-sum-exp (-inf): the merge reads no output of it.
+        tl.store(out_ptr + at[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None] & (begin < end))
+        tl.store(lse_ptr + at, lse, mask=row_ok)
+
+    @triton.jit
+    def merge_splits(
+        part_ptr, lse_ptr, out_ptr, tokens,
+        HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        token = tl.program_id(0).to(tl.int64)
+        heads = tl.arange(0, HEADS_P2)
+        head_ok = heads < HEADS
+        dims = tl.arange(0, HEAD_DIM)
+        top = tl.full([HEADS_P2], float("-inf"), tl.float32)
+        for split in range(SPLITS):
+            lse = tl.load(
+                lse_ptr + (split * tokens + token) * HEADS + heads, mask=head_ok, other=float("-inf")
+            )
+            top = tl.maximum(top, lse)
+        safe_top = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.zeros([HEADS_P2], tl.float32)
+        acc = tl.zeros([HEADS_P2, HEAD_DIM], tl.float32)
+        for split in range(SPLITS):
+            at = (split * tokens + token) * HEADS + heads
+            lse = tl.load(lse_ptr + at, mask=head_ok, other=float("-inf"))
+            weight = tl.exp2(lse - safe_top)
+            seen = (head_ok & (weight > 0))[:, None]
+            part = tl.load(part_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=seen, other=0.0)
+            acc += part * weight[:, None]
+            total += weight
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        at = (token * HEADS + heads)[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+    return partial_attention, merge_splits
+
+
+def split_cache_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: FlashRows, scale: float
+) -> torch.Tensor:
+    """Packed queries `q` (tokens, heads, D) attending causally over their sequences' cache (slots, kv heads,
+    positions, D), their own keys and values already written there; (tokens, heads, D). Sequences of at most
+    `rows.max_q` tokens (`_flash_extend.WIDTH`)."""
+    partial_attention, merge_splits = _kernels()
+    tokens, heads, head_dim = q.shape
+    _, kv_heads, length, _ = keys.shape
+    groups = heads // kv_heads
+    sequences = rows.seqused.shape[0]
+    m_blocks = -(-rows.max_q * groups // BLOCK_M)
+    parts = torch.empty(SPLITS, tokens, heads, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(SPLITS, tokens, heads, dtype=torch.float32, device=q.device)
+    partial_attention[(sequences * m_blocks, kv_heads, SPLITS)](
+        q, keys, values, rows.cu_q, rows.cu_k, rows.seqused, parts, lse,
+        scale, length, tokens, q.stride(0), q.stride(1),
+        GROUPS=groups, HEADS=heads, HEAD_DIM=head_dim, M_BLOCKS=m_blocks, SPLITS=SPLITS,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MIN_SPLIT_KEYS=MIN_SPLIT_KEYS, num_warps=4 if head_dim <= 64 else 8, num_stages=2,
+    )  # fmt: skip
+    out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
+    merge_splits[(tokens,)](
+        parts, lse, out, tokens,
+        HEADS=heads, HEADS_P2=_power_of_two(heads), HEAD_DIM=head_dim, SPLITS=SPLITS, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -1,0 +1,59 @@
+"""The Triton cache attention (`split_attention.py`) against FlashAttention's varlen kernel and a float32 reference,
+at the head layouts of the models the engine serves. Run on the device machine (docs/development.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentrl.rollout.engines._flash_extend import WIDTH, flash_sequences, packed_rows
+from agentrl.rollout.engines.flash_attention import FlashRows, cache_view, varlen_kernel
+from agentrl.rollout.engines.split_attention import split_cache_attention
+from tests.unit.rollout.engines.test_slot_steps import reference_varlen_kernel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device machine)"),
+]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(14, 2, 64), (9, 3, 64), (12, 2, 128), (28, 4, 128), (4, 4, 64)],
+    ids=["qwen2.5-0.5b", "smollm2-135m", "qwen2.5-1.5b", "qwen2.5-7b", "no-gqa"],
+)
+def test_split_attention_matches_flash_attention_and_a_float32_reference(heads, kv_heads, head_dim):
+    """Next turns over histories of 0-2,000 cached positions, a first turn cut into sequences of `WIDTH`, a row
+    of one token, and the padding's sequences: every output row no further from a float32 reference than
+    FlashAttention's (bf16 rounding of the inputs and output), the padding's rows finite."""
+    torch.manual_seed(0)
+    device, length, slots = torch.device("cuda"), 2048, 12
+    keys = torch.randn(slots, kv_heads, length, head_dim, dtype=torch.bfloat16, device=device)
+    values = torch.randn_like(keys)
+    runs = [
+        (3, 900, list(range(48))),
+        (0, 1990, list(range(40))),
+        (7, 0, list(range(300))),  # a first turn: five sequences of one slot, each causal up to its end
+        (11, 511, [5]),
+        (5, 64, list(range(64))),
+        (9, 1200, list(range(17))),
+    ]
+    tokens, bucket = 576, 8
+    packed, sequences = packed_rows(runs, tokens, bucket, kv_heads, length, length - 1)
+    rows = FlashRows.empty(flash_sequences(tokens, bucket), WIDTH, length, device)
+    rows.fill_(sequences.to(device))
+    q = torch.randn(tokens, heads, head_dim, dtype=torch.bfloat16, device=device)
+    scale = head_dim**-0.5
+
+    split = split_cache_attention(q, keys, values, rows, scale).float()
+    flash = varlen_kernel(q, cache_view(keys), cache_view(values), rows, scale).float()
+    cpu_rows = FlashRows(*(t.cpu() for t in (rows.cu_q, rows.cu_k, rows.seqused)), rows.max_q, rows.max_k)
+    reference = reference_varlen_kernel(
+        q.float().cpu(), cache_view(keys.float().cpu()), cache_view(values.float().cpu()), cpu_rows, scale
+    ).to(device)
+
+    assert split.isfinite().all()
+    split_error = (split - reference).abs().amax(dim=(1, 2))
+    flash_error = (flash - reference).abs().amax(dim=(1, 2))
+    assert (split_error <= 1.5 * flash_error + 2e-3).all(), (split_error.max(), flash_error.max())
+    assert split_error.max() < 2e-2
