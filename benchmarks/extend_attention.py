@@ -6,6 +6,13 @@ query heads (`split_attention.py`). Each runs as one CUDA graph of `--layers` ca
 
     python benchmarks/extend_attention.py --rows 8 16 32 64 --new 64 --history 900
 
+`--decode-rows` also times a decode step's attention (one token a row, rows in slots 0..rows-1): SDPA with a mask
+over the whole cache length, as `decode_step` reads it under CUDA graphs (one graph a bucket), against the
+Triton kernel reading each row's own positions (a decode step through the flash step; measured and not kept,
+docs/benchmarks.md):
+
+    python benchmarks/extend_attention.py --rows --decode-rows 32 64 128 --history 1000 --length 2048
+
 Prints one JSON line per row count: milliseconds a forward for each, the ratios and the largest difference of
 each output from the padded SDPA's.
 """
@@ -61,11 +68,51 @@ def time_graph(step, layers: int, repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def time_decode(args, keys, values, rng: random.Random) -> None:
+    """One JSON line per `--decode-rows`: a decode step's attention through SDPA over the whole cache length
+    (masked) and through the split kernel over each row's own positions."""
+    device, dtype = keys.device, keys.dtype
+    scale = args.head_dim**-0.5
+    for rows in args.decode_rows:
+        positions = [rng.randint(args.history // 3, args.history) for _ in range(rows)]
+        at = torch.tensor(positions, device=device)
+        visible = (torch.arange(args.length, device=device) <= at[:, None])[:, None, None, :]
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        q = torch.randn(
+            rows, args.kv_heads, args.heads // args.kv_heads, args.head_dim, device=device, dtype=dtype
+        )
+        sdpa = functools.partial(
+            F.scaled_dot_product_attention, q, keys[:rows], values[:rows], attn_mask=mask, scale=scale
+        )
+        plan = FlashRows.build(list(range(rows)), positions, [1] * rows, args.kv_heads, args.length, device)
+        split = functools.partial(
+            split_cache_attention, q.reshape(rows, args.heads, -1), keys, values, plan, scale
+        )
+        difference = (split().float() - sdpa().reshape(rows, args.heads, -1).float()).abs().max().item()
+        sdpa_ms, split_ms = (time_graph(step, args.layers, args.repeats) for step in (sdpa, split))
+        print(
+            json.dumps(
+                {
+                    "case": "decode",
+                    "rows": rows,
+                    "cache_length": args.length,
+                    "sdpa_whole_cache_ms": round(sdpa_ms, 3),
+                    "split_ms": round(split_ms, 3),
+                    "sdpa_over_split": round(sdpa_ms / split_ms, 2),
+                    "max_abs_difference": difference,
+                }
+            )
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--rows", type=int, nargs="*", default=[8, 16, 32, 64])
+    parser.add_argument(
+        "--decode-rows", type=int, nargs="*", default=[], help="decode steps of these many rows"
+    )
     parser.add_argument("--new", type=int, default=64, help="most new tokens a row (each draws 1/2-1x of it)")
     parser.add_argument("--history", type=int, default=900, help="most cached tokens a row (1/3-1x of it)")
     parser.add_argument("--slots", type=int, default=128)
@@ -86,6 +133,7 @@ def main() -> None:
     keys = torch.randn(shape, device=device, dtype=dtype)
     values = torch.randn(shape, device=device, dtype=dtype)
     groups, scale = args.heads // args.kv_heads, args.head_dim**-0.5
+    time_decode(args, keys, values, rng)
     for rows in args.rows:
         slots = rng.sample(range(args.slots), rows)
         starts = [rng.randint(args.history // 3, args.history) for _ in range(rows)]

@@ -31,7 +31,7 @@ SPLITS = 4
 MIN_SPLIT_KEYS = 256
 """Keys a range holds at least: a sequence of fewer keys (a first turn's first sequences) runs in fewer programs,
 whose partial outputs (float32, written and read again by the merge) cost more than its keys do."""
-BLOCK_M = 128
+BLOCK_M = 64
 """Query rows (tokens x query heads of one kv head) per program."""
 BLOCK_N = 64
 """Keys per step of a program."""
@@ -144,14 +144,16 @@ def split_cache_attention(
     _, kv_heads, length, _ = keys.shape
     groups = heads // kv_heads
     sequences = rows.seqused.shape[0]
-    m_blocks = -(-rows.max_q * groups // BLOCK_M)
+    block_m = min(BLOCK_M, max(16, _power_of_two(rows.max_q * groups)))  # sequences of one token: 16 rows
+    m_blocks = -(-rows.max_q * groups // block_m)
     parts = torch.empty(SPLITS, tokens, heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(SPLITS, tokens, heads, dtype=torch.float32, device=q.device)
     partial_attention[(sequences * m_blocks, kv_heads, SPLITS)](
         q, keys, values, rows.cu_q, rows.cu_k, rows.seqused, parts, lse,
         scale, length, tokens, q.stride(0), q.stride(1),
         GROUPS=groups, HEADS=heads, HEAD_DIM=head_dim, M_BLOCKS=m_blocks, SPLITS=SPLITS,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MIN_SPLIT_KEYS=MIN_SPLIT_KEYS, num_warps=4 if head_dim <= 64 else 8, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, MIN_SPLIT_KEYS=MIN_SPLIT_KEYS,
+        num_warps=4 if head_dim <= 64 else 8, num_stages=2,
     )  # fmt: skip
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     merge_splits[(tokens,)](
