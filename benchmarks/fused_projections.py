@@ -12,10 +12,12 @@ Prints one JSON line per size: milliseconds a replay each way and the share save
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
 import torch.nn.functional as F
+from extend_attention import time_graph  # this folder is on the path when a benchmark runs as a script
 
 
 def layer_weights(hidden: int, inner: int, heads_width: int, kv_width: int, device, dtype) -> dict:
@@ -62,28 +64,6 @@ def fused(layers: list[dict], x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def replay_ms(step, x: torch.Tensor, repeats: int) -> float:
-    """Milliseconds of one replay of a CUDA graph of `step(x)`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(x)
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -105,8 +85,8 @@ def main() -> None:
     ]
     for tokens in args.tokens:
         x = torch.randn(tokens, args.hidden, device=device, dtype=dtype)
-        apart = replay_ms(lambda t: separate(layers, t), x, args.repeats)
-        together = replay_ms(lambda t: fused(layers, t), x, args.repeats)
+        apart = time_graph(functools.partial(separate, layers, x), 1, args.repeats)
+        together = time_graph(functools.partial(fused, layers, x), 1, args.repeats)
         print(
             json.dumps(
                 {
