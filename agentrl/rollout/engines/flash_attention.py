@@ -116,12 +116,13 @@ def flash_cache_attention(
 ) -> torch.Tensor:
     """Packed queries `q` (tokens, heads, D) attending causally over their rows' cache (slots, kv heads,
     positions, D), their own keys and values already written there; (tokens, heads, D). Through
-    `split_attention.split_cache_attention` where Triton is (every CUDA build of PyTorch brings it), else
-    FlashAttention's varlen kernel."""
+    `split_attention.split_cache_attention` where Triton is (every CUDA build of PyTorch brings it) and takes the
+    head size, else FlashAttention's varlen kernel."""
     if q.is_cuda and split_attention_available():
-        from agentrl.rollout.engines.split_attention import split_cache_attention
+        from agentrl.rollout.engines.split_attention import split_cache_attention, split_kernel_takes
 
-        return split_cache_attention(q, keys, values, rows, scale)
+        if split_kernel_takes(q.shape[-1]):
+            return split_cache_attention(q, keys, values, rows, scale)
     return varlen_kernel(q, cache_view(keys), cache_view(values), rows, scale)
 
 

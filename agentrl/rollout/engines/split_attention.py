@@ -37,6 +37,12 @@ BLOCK_N = 64
 """Keys per step of a program."""
 
 
+def split_kernel_takes(head_dim: int) -> bool:
+    """Whether the kernel serves this head size: a power of two from 16 to 256 (its blocks span the head size
+    whole; Qwen2.5, Llama and SmolLM2 have 64 or 128). Others (Phi-3's 96) take FlashAttention's kernel."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
 @functools.cache
 def _kernels():  # noqa: ANN202 (Triton's JIT functions, built on first use so that CPU hosts never import Triton)
     import triton

@@ -328,3 +328,12 @@ def test_the_cpu_decode_attention_leaves_lower_precision_to_scaled_dot_product_a
     got = decode_attention(query, keys, values, attn_mask=mask, scale=0.25)
     want = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.25)
     assert torch.equal(got, want)
+
+
+def test_the_split_kernel_takes_power_of_two_head_sizes_and_leaves_the_rest_to_flash_attention():
+    """The Triton kernel's blocks span a head whole, so only powers of two reach it (`flash_cache_attention`
+    calls FlashAttention's kernel for the rest, e.g. Phi-3's 96)."""
+    from agentrl.rollout.engines.split_attention import split_kernel_takes
+
+    sizes = (8, 32, 48, 64, 80, 96, 128, 256, 512)
+    assert [size for size in sizes if split_kernel_takes(size)] == [32, 64, 128, 256]
