@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrl.rollout.engines.split_attention import split_cache_attention, split_kernel_takes
+
 
 @functools.cache
 def _kernel_takes_seqused() -> bool:
@@ -118,11 +120,8 @@ def flash_cache_attention(
     positions, D), their own keys and values already written there; (tokens, heads, D). Through
     `split_attention.split_cache_attention` where Triton is (every CUDA build of PyTorch brings it) and takes the
     head size, else FlashAttention's varlen kernel."""
-    if q.is_cuda and split_attention_available():
-        from agentrl.rollout.engines.split_attention import split_cache_attention, split_kernel_takes
-
-        if split_kernel_takes(q.shape[-1]):
-            return split_cache_attention(q, keys, values, rows, scale)
+    if q.is_cuda and split_attention_available() and split_kernel_takes(q.shape[-1]):
+        return split_cache_attention(q, keys, values, rows, scale)
     return varlen_kernel(q, cache_view(keys), cache_view(values), rows, scale)
 
 
