@@ -18,19 +18,22 @@ held (a NaN there would reach the sink, and a masked NaN still poisons a softmax
 
 from __future__ import annotations
 
-import functools
 import itertools
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from agentrl.rollout.engines._slot_decode import (
     DecodeRegions,
     _rotary,
-    slot_layer,
+    layer_output,
+    layer_projections,
     text_model,
     through_layers,
 )
 from agentrl.rollout.engines.flash_attention import FlashRows, flash_cache_attention
+from agentrl.rollout.engines.rotary_write import rotary_write, rotary_write_takes
 
 WIDTH = 64
 """Tokens per row of the per-token parts: `EXTEND_MAX_TOKENS`, the width the compiled extend step has."""
@@ -75,6 +78,44 @@ def flash_cache_part(
     return out.view(widths, width, heads * head_dim)
 
 
+def flash_layer(
+    layer: torch.nn.Module,
+    following_norm: torch.nn.Module,
+    hidden: torch.Tensor,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    rows: FlashRows,
+    head_dim: int,
+    cache_rows: torch.Tensor,
+    projections: Callable[..., tuple[torch.Tensor, ...]] = layer_projections,
+    output: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layer_output,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer of `flash_extend_step` (`slot_layer`'s signature, so `through_layers` runs it). Where
+    `rotary_write` serves it (CUDA, plain projections): the three projections as one matrix multiply, then one
+    kernel rotates, writes the cache and lays the queries out; else `projections` and `flash_cache_part`'s
+    writes. Then the attention over the rows' slots and the `output` part. `projections` and `output` are the
+    compiled parts under `compiled_flash_extend_step`."""
+    attn = layer.self_attn
+    if rotary_write_takes(attn, head_dim, x.device):
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj)
+        weight = torch.cat([linear.weight for linear in linears])
+        bias = None if attn.q_proj.bias is None else torch.cat([linear.bias for linear in linears])
+        qkv = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        heads = attn.q_proj.out_features // head_dim
+        q = rotary_write(
+            qkv, cos.reshape(-1, head_dim), sin.reshape(-1, head_dim), cache_rows, keys, values, heads
+        )
+        out = flash_cache_attention(q, keys, values, rows, attn.scaling).view(*hidden.shape[:2], -1)
+    else:
+        q, k, v = projections(layer, x, cos, sin, head_dim)
+        out = flash_cache_part(q, k, v, keys, values, positions, rows, attn.scaling, cache_rows)
+    return output(layer, following_norm, hidden, out)
+
+
 def cache_rows_of(token_slots: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """Where each token's key (or value) of each kv head lies in the cache viewed as (-1, D): (tokens x kv heads,)
     in the tokens' order, the same in every layer (so made once a forward, not indexed per layer)."""
@@ -105,9 +146,7 @@ def flash_extend_step(
     return model.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, last))
 
 
-PLAIN_FLASH_REGIONS = DecodeRegions(
-    flash_extend_inputs, functools.partial(slot_layer, cache_part=flash_cache_part)
-)
+PLAIN_FLASH_REGIONS = DecodeRegions(flash_extend_inputs, flash_layer)
 
 
 def flash_sequences(tokens: int, rows: int) -> int:

@@ -44,9 +44,9 @@ from agentrl.models.attention_kernels import cudnn_attention_for_capture
 from agentrl.models.compile_cache import use_compile_cache
 from agentrl.rollout.engines._flash_extend import (
     WIDTH,
-    flash_cache_part,
     flash_extend_inputs,
     flash_extend_step,
+    flash_layer,
     flash_sequences,
     packed_rows,
 )
@@ -133,10 +133,11 @@ def _next_power_of_two(value: int) -> int:
 
 def _token_bucket(tokens: int) -> int:
     """Tokens a `flash_extend_step` graph computes for `tokens` real ones: at least `WIDTH`, else rounded up to
-    an eighth of their power of two (at most 1/8 padding; powers of two padded 650 tokens to 1,024)."""
+    a sixteenth of their power of two (at most 1/16 padding; powers of two padded 650 tokens to 1,024, eighths
+    the agent step's ~580 to 640, where the MLP's matrix multiply takes 192 rows a tile)."""
     if tokens <= WIDTH:
         return WIDTH
-    step = max(WIDTH, _next_power_of_two(tokens) // 8)
+    step = max(WIDTH, _next_power_of_two(tokens) // 16)
     return -(-tokens // step) * step
 
 
@@ -190,12 +191,10 @@ def _marked_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch.Tenso
     return _compiled("layer", backend, make)
 
 
-def _split_extend_layer(
-    backend: Any, cache_part: Callable[..., torch.Tensor] = cache_attention
-) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """`slot_layer` for the extend steps: its projections and its output part compiled (the rows symbolic), the
-    cache's part (`cache_attention`, or `flash_cache_part` for `flash_extend_step`) run as it is between them;
-    both steps share the compiled parts. Compiled whole like the decode step's layer, the graph took the cache and
+def _split_extend_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`slot_layer` for the extend step: its projections and its output part compiled (the rows symbolic), the
+    cache's part (`cache_attention`) run as it is between them (`compiled_flash_extend_step` shares the compiled
+    parts). Compiled whole like the decode step's layer, the graph took the cache and
     the span read as one size where they had been equal when it was traced, and failed Inductor's input check on
     an H200 once they differed; outside the graphs the cache's size never matters."""
 
@@ -214,13 +213,13 @@ def _split_extend_layer(
                 maybe_mark_dynamic(tensor, 0)
             q, k, v = projections(module, x, cos, sin, head_dim)
             scale = module.self_attn.scaling
-            out = cache_part(q, k, v, keys, values, positions, visible, scale, slots)
+            out = cache_attention(q, k, v, keys, values, positions, visible, scale, slots)
             maybe_mark_dynamic(out, 0)
             return output(module, following, hidden, out)
 
         return split_layer
 
-    return _compiled(f"extend layer ({cache_part.__name__})", backend, make)
+    return _compiled("extend layer", backend, make)
 
 
 def compiled_decode_step(backend: Any = "inductor") -> Callable[..., torch.Tensor]:
@@ -257,14 +256,32 @@ def compiled_extend_step(backend: Any = "inductor") -> Callable[..., torch.Tenso
     return _compiled("extend", backend, make)
 
 
+def _rows_marked(compiled: Callable[..., Any], marked: tuple[int, ...]) -> Callable[..., Any]:
+    """`compiled` with dim 0 of its arguments at `marked` made symbolic on every call (`maybe_mark_dynamic`)."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    def rows_marked(*args: Any) -> Any:
+        for index in marked:
+            maybe_mark_dynamic(args[index], 0)
+        return compiled(*args)
+
+    return rows_marked
+
+
 def compiled_flash_extend_step(backend: Any = "inductor") -> Callable[..., torch.Tensor]:
-    """`flash_extend_step` with its inputs and the parts of each layer around the cache compiled: the same
-    compiled parts as `compiled_extend_step`'s (its packed tokens are rows of `EXTEND_MAX_TOKENS`)."""
+    """`flash_extend_step` with its inputs and each layer's parts around the cache compiled: the projections and
+    output part `compiled_extend_step` compiles (its packed tokens are rows of `EXTEND_MAX_TOKENS`), the rows
+    symbolic. Where `rotary_write` serves the layer, its kernel replaces the compiled projections' rotary."""
 
     def make() -> Callable[..., torch.Tensor]:
-        regions = DecodeRegions(
-            _rows_marked_inputs(flash_extend_inputs, backend), _split_extend_layer(backend, flash_cache_part)
+        projections = _compiled(
+            "projections", backend, lambda: torch.compile(layer_projections, backend=backend)
         )
+        output = _compiled("layer output", backend, lambda: torch.compile(layer_output, backend=backend))
+        layer = functools.partial(
+            flash_layer, projections=_rows_marked(projections, (1, 2, 3)), output=_rows_marked(output, (2, 3))
+        )
+        regions = DecodeRegions(_rows_marked_inputs(flash_extend_inputs, backend), layer)
         return functools.partial(flash_extend_step, regions=regions)
 
     return _compiled("flash extend", backend, make)

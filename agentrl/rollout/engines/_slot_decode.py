@@ -300,12 +300,10 @@ def slot_layer(
     visible: torch.Tensor,
     head_dim: int,
     slot_ids: torch.Tensor | None = None,
-    cache_part: Callable[..., torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer of `decode_step` or `extend_step` (or, with `_flash_extend.flash_cache_part` for
-    `cache_part`, of `flash_extend_step`): `x` is `hidden` (R, W, H) after the layer's input
-    norm. Writes the rows' keys and values into this layer's cache at their positions, attends over the first
-    `visible.shape[-1]` positions; returns the residual stream and it through `following_norm` (the next layer's
+    """One decoder layer of `decode_step` or `extend_step` (`_flash_extend.flash_layer` is `flash_extend_step`'s):
+    `x` is `hidden` (R, W, H) after the layer's input norm. Writes the rows' keys and values into this layer's
+    cache at their positions, attends over the first `visible.shape[-1]` positions; returns the residual stream and it through `following_norm` (the next layer's
     input norm, or the final norm), so the residual add and the next norm stay one fused kernel when compiled.
 
     A decode step (`slot_ids` None): row i is slot i and feeds one token, `positions` (R,). An extend step: row r
@@ -316,8 +314,7 @@ def slot_layer(
     every process (`benchmarks/decode_compile.py`). Its three parts are functions too, so that a compiled extend
     step compiles the two around the cache and runs the cache's part as it is (`compiled_extend_step`)."""
     q, k, v = layer_projections(layer, x, cos, sin, head_dim)
-    attend = cache_part or cache_attention
-    out = attend(q, k, v, keys, values, positions, visible, layer.self_attn.scaling, slot_ids)
+    out = cache_attention(q, k, v, keys, values, positions, visible, layer.self_attn.scaling, slot_ids)
     return layer_output(layer, following_norm, hidden, out)
 
 
