@@ -23,9 +23,13 @@ pytestmark = [
     ids=["qwen2.5-0.5b", "smollm2-135m", "qwen2.5-1.5b", "qwen2.5-7b", "no-gqa"],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rotary_write_rotates_and_writes_what_the_projections_path_does(heads, kv_heads, head_dim, dtype):
-    """Queries as the attention takes them, keys rotated and values at their cache rows, nothing else of the
-    cache touched: equal to the rotary computed in float32 and rounded once, within one rounding step."""
+@pytest.mark.parametrize("biased", [True, False], ids=["biases", "no-biases"])
+def test_rotary_write_rotates_and_writes_what_the_projections_path_does(
+    heads, kv_heads, head_dim, dtype, biased
+):
+    """Queries as the attention takes them, keys rotated and values at their cache rows (each with its
+    projection's bias added, Qwen2's layout), nothing else of the cache touched: equal to the bias and the rotary
+    computed in float32 and rounded once, within one rounding step."""
     torch.manual_seed(0)
     device, slots, length, tokens = torch.device("cuda"), 6, 300, 640
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
@@ -39,15 +43,20 @@ def test_rotary_write_rotates_and_writes_what_the_projections_path_does(heads, k
     values = torch.randn_like(keys)
     expected_keys, expected_values = keys.clone(), values.clone()
     rows = cache_rows_of(token_slots, positions, keys)
+    widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    biases = tuple(torch.randn(width, dtype=dtype, device=device) for width in widths) if biased else None
 
-    q = rotary_write(qkv, cos, sin, rows, keys, values, heads)
+    q = rotary_write(qkv, biases, cos, sin, rows, keys, values, heads)
 
-    q_part, k_part, v_part = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q_part, k_part, v_part = qkv.float().split(widths, dim=-1)
+    if biased:
+        parts = zip((q_part, k_part, v_part), biases, strict=True)
+        q_part, k_part, v_part = (part + bias.float() for part, bias in parts)
     wide_cos, wide_sin = cos.float()[:, None], sin.float()[:, None]
-    expected_q = _rotate(q_part.view(tokens, heads, head_dim).float(), wide_cos, wide_sin).to(dtype)
-    rotated_keys = _rotate(k_part.view(tokens, kv_heads, head_dim).float(), wide_cos, wide_sin).to(dtype)
+    expected_q = _rotate(q_part.view(tokens, heads, head_dim), wide_cos, wide_sin).to(dtype)
+    rotated_keys = _rotate(k_part.view(tokens, kv_heads, head_dim), wide_cos, wide_sin).to(dtype)
     expected_keys.view(-1, head_dim).index_copy_(0, rows, rotated_keys.reshape(-1, head_dim))
-    expected_values.view(-1, head_dim).index_copy_(0, rows, v_part.reshape(-1, head_dim))
+    expected_values.view(-1, head_dim).index_copy_(0, rows, v_part.to(dtype).reshape(-1, head_dim))
 
     step = 2**-7 if dtype == torch.bfloat16 else 1e-6  # one bf16 rounding step at magnitude ~1-2
     assert q.shape == (tokens, heads, head_dim)

@@ -102,13 +102,11 @@ def flash_layer(
     attn = layer.self_attn
     if rotary_write_takes(attn, head_dim, x.device):
         linears = (attn.q_proj, attn.k_proj, attn.v_proj)
-        weight = torch.cat([linear.weight for linear in linears])
-        bias = None if attn.q_proj.bias is None else torch.cat([linear.bias for linear in linears])
-        qkv = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        qkv = F.linear(x.reshape(-1, x.shape[-1]), torch.cat([linear.weight for linear in linears]))
+        biases = None if attn.q_proj.bias is None else tuple(linear.bias for linear in linears)
         heads = attn.q_proj.out_features // head_dim
-        q = rotary_write(
-            qkv, cos.reshape(-1, head_dim), sin.reshape(-1, head_dim), cache_rows, keys, values, heads
-        )
+        cos, sin = cos.reshape(-1, head_dim), sin.reshape(-1, head_dim)
+        q = rotary_write(qkv, biases, cos, sin, cache_rows, keys, values, heads)
         out = flash_cache_attention(q, keys, values, rows, attn.scaling).view(*hidden.shape[:2], -1)
     else:
         q, k, v = projections(layer, x, cos, sin, head_dim)

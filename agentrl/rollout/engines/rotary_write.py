@@ -45,8 +45,8 @@ def _kernel():  # noqa: ANN202 (Triton's JIT function, built on first use so tha
 
     @triton.jit
     def rotary_write(
-        qkv_ptr, cos_ptr, sin_ptr, cache_rows_ptr, keys_ptr, values_ptr, q_ptr,
-        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr,
+        qkv_ptr, q_bias_ptr, k_bias_ptr, v_bias_ptr, cos_ptr, sin_ptr, cache_rows_ptr, keys_ptr, values_ptr, q_ptr,
+        HAS_BIAS: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr,
         HEAD_DIM: tl.constexpr,
     ):  # fmt: skip
         token = tl.program_id(0).to(tl.int64)
@@ -64,6 +64,9 @@ def _kernel():  # noqa: ANN202 (Triton's JIT function, built on first use so tha
         at = heads[:, None] * HEAD_DIM + dims[None, :]
         low = tl.load(row + at, mask=head_ok, other=0.0).to(tl.float32)
         high = tl.load(row + at + half, mask=head_ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            low += tl.load(q_bias_ptr + at, mask=head_ok, other=0.0).to(tl.float32)
+            high += tl.load(q_bias_ptr + at + half, mask=head_ok, other=0.0).to(tl.float32)
         out = q_ptr + token * HEADS * HEAD_DIM + at
         kind = q_ptr.dtype.element_ty
         tl.store(out, (low * cos_low[None, :] - high * sin_low[None, :]).to(kind), mask=head_ok)
@@ -75,6 +78,9 @@ def _kernel():  # noqa: ANN202 (Triton's JIT function, built on first use so tha
         at = kv[:, None] * HEAD_DIM + dims[None, :]
         low = tl.load(row + HEADS * HEAD_DIM + at, mask=kv_ok[:, None], other=0.0).to(tl.float32)
         high = tl.load(row + HEADS * HEAD_DIM + at + half, mask=kv_ok[:, None], other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            low += tl.load(k_bias_ptr + at, mask=kv_ok[:, None], other=0.0).to(tl.float32)
+            high += tl.load(k_bias_ptr + at + half, mask=kv_ok[:, None], other=0.0).to(tl.float32)
         key_low = (low * cos_low[None, :] - high * sin_low[None, :]).to(keys_ptr.dtype.element_ty)
         key_high = (high * cos_high[None, :] + low * sin_high[None, :]).to(keys_ptr.dtype.element_ty)
         tl.store(keys_ptr + cache_at + dims[None, :], key_low, mask=kv_ok[:, None])
@@ -82,13 +88,21 @@ def _kernel():  # noqa: ANN202 (Triton's JIT function, built on first use so tha
         value_at = row + (HEADS + KV_HEADS) * HEAD_DIM + at
         for part in range(2):
             value = tl.load(value_at + part * half, mask=kv_ok[:, None], other=0.0)
-            tl.store(values_ptr + cache_at + part * half + dims[None, :], value, mask=kv_ok[:, None])
+            if HAS_BIAS:
+                bias = tl.load(v_bias_ptr + at + part * half, mask=kv_ok[:, None], other=0.0)
+                value = value.to(tl.float32) + bias.to(tl.float32)
+            tl.store(
+                values_ptr + cache_at + part * half + dims[None, :],
+                value.to(values_ptr.dtype.element_ty),
+                mask=kv_ok[:, None],
+            )
 
     return rotary_write
 
 
 def rotary_write(
     qkv: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
     cache_rows: torch.Tensor,
@@ -96,9 +110,10 @@ def rotary_write(
     values: torch.Tensor,
     heads: int,
 ) -> torch.Tensor:
-    """`qkv` (tokens, (heads + 2 kv heads) x D), the projection's output; `cos`, `sin` (tokens, D); keys and values
-    written at `cache_rows` (tokens x kv heads,) of the cache viewed as (-1, D); the rotated queries, (tokens,
-    heads, D)."""
+    """`qkv` (tokens, (heads + 2 kv heads) x D), the projections' output before their `biases` (query, key, value;
+    added here: a bias concatenated for the multiply was one more copy a layer); `cos`, `sin` (tokens, D); keys
+    and values written at `cache_rows` (tokens x kv heads,) of the cache viewed as (-1, D); the rotated queries,
+    (tokens, heads, D)."""
     tokens = qkv.shape[0]
     _, kv_heads, _, head_dim = keys.shape
     if qkv.shape[1] != (heads + 2 * kv_heads) * head_dim or not qkv.is_contiguous():
@@ -106,9 +121,10 @@ def rotary_write(
             f"qkv of shape {tuple(qkv.shape)} is not {heads} + 2 x {kv_heads} heads of {head_dim}"
         )
     q = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q_bias, k_bias, v_bias = biases if biases is not None else (qkv, qkv, qkv)
     _kernel()[(tokens,)](
-        qkv, cos.contiguous(), sin.contiguous(), cache_rows, keys, values, q,
-        HEADS=heads, KV_HEADS=kv_heads, HEADS_P2=_power_of_two(heads), KV_HEADS_P2=_power_of_two(kv_heads),
+        qkv, q_bias, k_bias, v_bias, cos.contiguous(), sin.contiguous(), cache_rows, keys, values, q,
+        HAS_BIAS=biases is not None, HEADS=heads, KV_HEADS=kv_heads, HEADS_P2=_power_of_two(heads), KV_HEADS_P2=_power_of_two(kv_heads),
         HEAD_DIM=head_dim, num_warps=2,
     )  # fmt: skip
     return q
