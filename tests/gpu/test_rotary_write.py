@@ -1,5 +1,5 @@
 """The Triton kernel that rotates a packed prefill's queries and keys and writes keys and values into the slot cache
-(`rotary_write.py`) against the compiled path it replaces (the model's projections, `_rotate`, an indexed copy),
+(`rotary_write.py`) against its documented meaning in plain torch (the reference the CPU suite runs in its place),
 at the head layouts of the models the engine serves. Run on the device machine (docs/development.md)."""
 
 from __future__ import annotations
@@ -8,20 +8,12 @@ import pytest
 import torch
 
 from agentrl.rollout.engines._flash_extend import cache_rows_of
-from agentrl.rollout.engines._slot_decode import _rotate
 from agentrl.rollout.engines.rotary_write import rotary_write
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the device machine)"),
-]
+from tests.gpu.test_split_attention import HEAD_LAYOUTS, pytestmark  # noqa: F401 (pytest reads pytestmark)
+from tests.unit.rollout.engines.test_slot_steps import reference_rotary_write
 
 
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"),
-    [(14, 2, 64), (9, 3, 64), (12, 2, 128), (28, 4, 128), (4, 4, 64)],
-    ids=["qwen2.5-0.5b", "smollm2-135m", "qwen2.5-1.5b", "qwen2.5-7b", "no-gqa"],
-)
+@HEAD_LAYOUTS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("biased", [True, False], ids=["biases", "no-biases"])
 def test_rotary_write_rotates_and_writes_what_the_projections_path_does(
@@ -48,15 +40,7 @@ def test_rotary_write_rotates_and_writes_what_the_projections_path_does(
 
     q = rotary_write(qkv, biases, cos, sin, rows, keys, values, heads)
 
-    q_part, k_part, v_part = qkv.float().split(widths, dim=-1)
-    if biased:
-        parts = zip((q_part, k_part, v_part), biases, strict=True)
-        q_part, k_part, v_part = (part + bias.float() for part, bias in parts)
-    wide_cos, wide_sin = cos.float()[:, None], sin.float()[:, None]
-    expected_q = _rotate(q_part.view(tokens, heads, head_dim), wide_cos, wide_sin).to(dtype)
-    rotated_keys = _rotate(k_part.view(tokens, kv_heads, head_dim), wide_cos, wide_sin).to(dtype)
-    expected_keys.view(-1, head_dim).index_copy_(0, rows, rotated_keys.reshape(-1, head_dim))
-    expected_values.view(-1, head_dim).index_copy_(0, rows, v_part.to(dtype).reshape(-1, head_dim))
+    expected_q = reference_rotary_write(qkv, biases, cos, sin, rows, expected_keys, expected_values, heads)
 
     step = 2**-7 if dtype == torch.bfloat16 else 1e-6  # one bf16 rounding step at magnitude ~1-2
     assert q.shape == (tokens, heads, head_dim)

@@ -17,11 +17,15 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize(
+HEAD_LAYOUTS = pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
     [(14, 2, 64), (9, 3, 64), (12, 2, 128), (28, 4, 128), (4, 4, 64)],
     ids=["qwen2.5-0.5b", "smollm2-135m", "qwen2.5-1.5b", "qwen2.5-7b", "no-gqa"],
 )
+"""The head layouts of the models the engine serves (and one without grouping), for the Triton kernels' tests."""
+
+
+@HEAD_LAYOUTS
 def test_split_attention_matches_flash_attention_and_a_float32_reference(heads, kv_heads, head_dim):
     """Next turns over histories of 0-2,000 cached positions, a first turn cut into sequences of `WIDTH`, a row
     of one token, and the padding's sequences: every output row no further from a float32 reference than

@@ -17,6 +17,7 @@ from agentrl.rollout.engines._flash_extend import (
 from agentrl.rollout.engines._slot_batch import weight_layout
 from agentrl.rollout.engines._slot_decode import (
     KVShape,
+    _rotate,
     decode_attention,
     decode_step,
     extend_step,
@@ -64,6 +65,21 @@ def reference_varlen_kernel(q, k, v, rows: FlashRows, scale: float) -> torch.Ten
         weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
         out[cu_q[i] : cu_q[i + 1]] = torch.einsum("hmn,nhd->mhd", weights, values)
     return out
+
+
+def reference_rotary_write(qkv, biases, cos, sin, cache_rows, keys, values, heads: int) -> torch.Tensor:
+    """`rotary_write.rotary_write` as documented, in plain torch: the projections' biases added and queries and
+    keys rotated in float32, rounded once; keys and values written at `cache_rows`; the queries (tokens, heads, D)."""
+    tokens, head_dim, kv_heads = qkv.shape[0], keys.shape[-1], keys.shape[1]
+    parts = list(qkv.float().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    if biases is not None:
+        parts = [part + bias.float() for part, bias in zip(parts, biases, strict=True)]
+    wide_cos, wide_sin = cos.float()[:, None], sin.float()[:, None]
+    q = _rotate(parts[0].view(tokens, heads, head_dim), wide_cos, wide_sin).to(qkv.dtype)
+    k = _rotate(parts[1].view(tokens, kv_heads, head_dim), wide_cos, wide_sin).to(keys.dtype)
+    keys.view(-1, head_dim).index_copy_(0, cache_rows, k.reshape(-1, head_dim))
+    values.view(-1, head_dim).index_copy_(0, cache_rows, parts[2].to(values.dtype).reshape(-1, head_dim))
+    return q
 
 
 @pytest.mark.parametrize("extend_with", ["extend_step", "prefill_slots", "flash_extend_step"])
@@ -151,14 +167,23 @@ def test_packed_rows_cut_every_row_into_sequences_of_at_most_width_within_the_bu
         packed_rows([runs[0], (5, 3, [])], tokens, rows, 1, length, length - 1)
 
 
-def test_the_flash_path_prefills_prompts_longer_than_a_forward_across_forwards_exactly(model, monkeypatch):
+@pytest.mark.parametrize("rotary", ["projections", "rotary_write"])
+def test_the_flash_path_prefills_prompts_longer_than_a_forward_across_forwards_exactly(
+    model, monkeypatch, rotary
+):
     """Every text prompt goes through `flash_extend_step` (run here without graphs, the kernel's reference in
     place): first turns of 150 and 70 tokens, a next turn over a cached history, with at most 64 tokens a
     forward (`prefill_chunk_tokens`), so the long ones continue over what the forwards before wrote; each
-    prompt's last logits equal a plain forward of it, and prefill counts every token once."""
+    prompt's last logits equal a plain forward of it, and prefill counts every token once. Both ways a layer
+    reaches the attention: the model's projections and indexed writes, and (as on a GPU) one multiply over the
+    concatenated weights into `rotary_write` (its reference here; the kernel itself: tests/gpu)."""
+    from agentrl.rollout.engines import _flash_extend
     from agentrl.rollout.engines._slot_batch import SlotBatch
 
     monkeypatch.setattr(flash_attention, "varlen_kernel", reference_varlen_kernel)
+    if rotary == "rotary_write":
+        monkeypatch.setattr(_flash_extend, "rotary_write_takes", lambda attn, head_dim, device: True)
+        monkeypatch.setattr(_flash_extend, "rotary_write", reference_rotary_write)
     torch.manual_seed(4)
     batch = SlotBatch(model, max_slots=8, max_model_len=512, cuda_graphs=False, prefill_chunk_tokens=64)
     batch._flash_step = flash_extend_step  # what a GPU with FlashAttention's `seqused_k` gets
