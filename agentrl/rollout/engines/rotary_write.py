@@ -20,10 +20,12 @@ import torch
 
 def rotary_write_takes(attn: torch.nn.Module, head_dim: int, device: torch.device) -> bool:
     """Whether `rotary_write` serves this attention module: a CUDA device where Triton imports, plain linear
-    projections (their weights concatenated into one multiply), no per-head norm (Qwen3's q_norm and k_norm
-    run in the compiled projections instead) and a head size that is a power of two from 32 to 256."""
+    projections (their weights concatenated into one multiply; biases on all three or none), no per-head norm
+    (Qwen3's q_norm and k_norm run in the compiled projections instead) and a head size that is a power of two
+    from 32 to 256."""
     linears = (attn.q_proj, attn.k_proj, attn.v_proj)
     plain = all(type(linear) is torch.nn.Linear for linear in linears)
+    plain = plain and len({linear.bias is None for linear in linears}) == 1  # biases on all three or none
     normed = getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None
     sized = 32 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
     return device.type == "cuda" and plain and not normed and sized and _triton_imports()

@@ -362,3 +362,26 @@ def test_the_split_kernel_takes_power_of_two_head_sizes_and_leaves_the_rest_to_f
 
     sizes = (8, 32, 48, 64, 80, 96, 128, 256, 512)
     assert [size for size in sizes if split_kernel_takes(size)] == [32, 64, 128, 256]
+
+
+def test_rotary_write_takes_plain_projections_with_biases_on_all_or_none(model, monkeypatch):
+    """The kernel path is taken only where it computes what the projections do: CUDA, plain linear layers with
+    biases on all three or none, no per-head norm, a power-of-two head size (Triton's import faked here)."""
+    import copy
+
+    from agentrl.rollout.engines import rotary_write
+
+    monkeypatch.setattr(rotary_write, "_triton_imports", lambda: True)
+    attn, cuda = model.model.layers[0].self_attn, torch.device("cuda")
+    assert rotary_write.rotary_write_takes(attn, 64, cuda)
+    assert not rotary_write.rotary_write_takes(attn, 64, torch.device("cpu"))
+    assert not rotary_write.rotary_write_takes(attn, 96, cuda)
+    unbiased_keys = copy.deepcopy(attn)
+    unbiased_keys.k_proj = torch.nn.Linear(attn.k_proj.in_features, attn.k_proj.out_features, bias=False)
+    assert not rotary_write.rotary_write_takes(unbiased_keys, 64, cuda)
+    normed = copy.deepcopy(attn)
+    normed.q_norm = torch.nn.RMSNorm(64)
+    assert not rotary_write.rotary_write_takes(normed, 64, cuda)
+    adapted = copy.deepcopy(attn)
+    adapted.v_proj = torch.nn.Sequential(attn.v_proj)  # any module that is not a plain nn.Linear
+    assert not rotary_write.rotary_write_takes(adapted, 64, cuda)
