@@ -194,9 +194,9 @@ def _marked_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch.Tenso
 def _split_extend_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """`slot_layer` for the extend step: its projections and its output part compiled (the rows symbolic), the
     cache's part (`cache_attention`) run as it is between them (`compiled_flash_extend_step` shares the compiled
-    parts). Compiled whole like the decode step's layer, the graph took the cache and
-    the span read as one size where they had been equal when it was traced, and failed Inductor's input check on
-    an H200 once they differed; outside the graphs the cache's size never matters."""
+    parts). Compiled whole like the decode step's layer, the graph took the cache and the span read as one size
+    where they had been equal when it was traced, and failed Inductor's input check on an H200 once they
+    differed; outside the graphs the cache's size never matters."""
 
     def make() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         from torch._dynamo import maybe_mark_dynamic

@@ -303,8 +303,9 @@ def slot_layer(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer of `decode_step` or `extend_step` (`_flash_extend.flash_layer` is `flash_extend_step`'s):
     `x` is `hidden` (R, W, H) after the layer's input norm. Writes the rows' keys and values into this layer's
-    cache at their positions, attends over the first `visible.shape[-1]` positions; returns the residual stream and it through `following_norm` (the next layer's
-    input norm, or the final norm), so the residual add and the next norm stay one fused kernel when compiled.
+    cache at their positions, attends over the first `visible.shape[-1]` positions; returns the residual stream
+    and it through `following_norm` (the next layer's input norm, or the final norm), so the residual add and the
+    next norm stay one fused kernel when compiled.
 
     A decode step (`slot_ids` None): row i is slot i and feeds one token, `positions` (R,). An extend step: row r
     feeds W tokens at `positions` (R, W) of slot `slot_ids[r]`, and attends to a copy of that slot's cache.

@@ -47,9 +47,10 @@ def _kernel():  # noqa: ANN202 (Triton's JIT function, built on first use so tha
 
     @triton.jit
     def rotary_write(
-        qkv_ptr, q_bias_ptr, k_bias_ptr, v_bias_ptr, cos_ptr, sin_ptr, cache_rows_ptr, keys_ptr, values_ptr, q_ptr,
-        HAS_BIAS: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
+        qkv_ptr, q_bias_ptr, k_bias_ptr, v_bias_ptr, cos_ptr, sin_ptr, cache_rows_ptr, keys_ptr, values_ptr,
+        q_ptr,
+        HAS_BIAS: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_P2: tl.constexpr,
+        KV_HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     ):  # fmt: skip
         token = tl.program_id(0).to(tl.int64)
         half: tl.constexpr = HEAD_DIM // 2
@@ -126,8 +127,8 @@ def rotary_write(
     q_bias, k_bias, v_bias = biases if biases is not None else (qkv, qkv, qkv)
     _kernel()[(tokens,)](
         qkv, q_bias, k_bias, v_bias, cos.contiguous(), sin.contiguous(), cache_rows, keys, values, q,
-        HAS_BIAS=biases is not None, HEADS=heads, KV_HEADS=kv_heads, HEADS_P2=_power_of_two(heads), KV_HEADS_P2=_power_of_two(kv_heads),
-        HEAD_DIM=head_dim, num_warps=2,
+        HAS_BIAS=biases is not None, HEADS=heads, KV_HEADS=kv_heads,
+        HEADS_P2=_power_of_two(heads), KV_HEADS_P2=_power_of_two(kv_heads), HEAD_DIM=head_dim, num_warps=2,
     )  # fmt: skip
     return q
 
