@@ -46,9 +46,8 @@ def layer_weights(hidden: int, inner: int, heads_width: int, kv_width: int, devi
 def separate(layers: list[dict], x: torch.Tensor) -> torch.Tensor:
     for w in layers:
         q = F.linear(x, w["q"], w["q_bias"])
-        F.linear(
-            x, w["k"], w["k_bias"]
-        )  # the keys and values go to the cache: their cost is what counts here
+        # the keys and values go to the cache: their multiplies' cost is what counts here
+        F.linear(x, w["k"], w["k_bias"])
         F.linear(x, w["v"], w["v_bias"])
         x = x + F.linear(q, w["o"])
         x = x + F.linear(F.silu(F.linear(x, w["gate"])) * F.linear(x, w["up"]), w["down"])

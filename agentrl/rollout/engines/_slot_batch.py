@@ -134,7 +134,7 @@ def _next_power_of_two(value: int) -> int:
 def _token_bucket(tokens: int) -> int:
     """Tokens a `flash_extend_step` graph computes for `tokens` real ones: at least `WIDTH`, else rounded up to
     a sixteenth of their power of two (at most 1/16 padding; powers of two padded 650 tokens to 1,024, eighths
-    the agent step's ~580 to 640, where the MLP's matrix multiply takes 192 rows a tile)."""
+    padded 12 next turns of 48 tokens, 576, to 640, where the MLP's matrix multiply takes 192 rows a tile)."""
     if tokens <= WIDTH:
         return WIDTH
     step = max(WIDTH, _next_power_of_two(tokens) // 16)

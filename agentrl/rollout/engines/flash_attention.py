@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentrl.rollout.engines.split_attention import split_cache_attention, split_kernel_takes
+from agentrl.rollout.engines.split_attention import split_cache_attention, split_kernel_takes, triton_imports
 
 
 @functools.cache
@@ -125,15 +125,10 @@ def flash_cache_attention(
     return varlen_kernel(q, cache_view(keys), cache_view(values), rows, scale)
 
 
-@functools.cache
 def split_attention_available() -> bool:
     """Whether Triton imports, for `split_cache_attention` (benchmarks/extend_attention.py sets it aside to time
     FlashAttention's kernel instead)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_imports()
 
 
 def varlen_kernel(

@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from agentrl.rollout.engines.split_attention import triton_imports
+
 
 def rotary_write_takes(attn: torch.nn.Module, head_dim: int, device: torch.device) -> bool:
     """Whether `rotary_write` serves this attention module: a CUDA device where Triton imports, plain linear
@@ -28,16 +30,7 @@ def rotary_write_takes(attn: torch.nn.Module, head_dim: int, device: torch.devic
     plain = plain and len({linear.bias is None for linear in linears}) == 1  # biases on all three or none
     normed = getattr(attn, "q_norm", None) is not None or getattr(attn, "k_norm", None) is not None
     sized = 32 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
-    return device.type == "cuda" and plain and not normed and sized and _triton_imports()
-
-
-@functools.cache
-def _triton_imports() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return device.type == "cuda" and plain and not normed and sized and triton_imports()
 
 
 @functools.cache

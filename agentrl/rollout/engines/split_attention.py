@@ -37,6 +37,17 @@ BLOCK_N = 64
 """Keys per step of a program."""
 
 
+@functools.cache
+def triton_imports() -> bool:
+    """Whether Triton imports (every CUDA build of PyTorch brings it): the condition of this module's kernel and of
+    `rotary_write.py`'s."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def split_kernel_takes(head_dim: int) -> bool:
     """Whether the kernel serves this head size: a power of two from 16 to 256 (its blocks span the head size
     whole; Qwen2.5, Llama and SmolLM2 have 64 or 128). Others (Phi-3's 96) take FlashAttention's kernel."""

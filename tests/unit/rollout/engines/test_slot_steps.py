@@ -371,7 +371,7 @@ def test_rotary_write_takes_plain_projections_with_biases_on_all_or_none(model, 
 
     from agentrl.rollout.engines import rotary_write
 
-    monkeypatch.setattr(rotary_write, "_triton_imports", lambda: True)
+    monkeypatch.setattr(rotary_write, "triton_imports", lambda: True)
     attn, cuda = model.model.layers[0].self_attn, torch.device("cuda")
     assert rotary_write.rotary_write_takes(attn, 64, cuda)
     assert not rotary_write.rotary_write_takes(attn, 64, torch.device("cpu"))
@@ -385,3 +385,16 @@ def test_rotary_write_takes_plain_projections_with_biases_on_all_or_none(model, 
     adapted = copy.deepcopy(attn)
     adapted.v_proj = torch.nn.Sequential(attn.v_proj)  # any module that is not a plain nn.Linear
     assert not rotary_write.rotary_write_takes(adapted, 64, cuda)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 65, 300, 576, 577, 1000, 1024, 1025, 4000])
+def test_a_flash_forward_pads_its_tokens_by_at_most_a_sixteenth(tokens):
+    """`_token_bucket`: a multiple of `WIDTH`, at least the tokens, padding them by less than `WIDTH` or a
+    sixteenth of their power of two; 12 next turns of 48 tokens (576) are not padded at all (eighths made 640)."""
+    from agentrl.rollout.engines._slot_batch import _next_power_of_two, _token_bucket
+
+    bucket = _token_bucket(tokens)
+    assert bucket % WIDTH == 0 and bucket >= tokens
+    assert bucket - tokens < max(WIDTH, _next_power_of_two(tokens) // 16)
+    if tokens == 576:
+        assert bucket == 576
