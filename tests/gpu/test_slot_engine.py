@@ -148,6 +148,8 @@ def test_graphs_survive_an_in_place_weight_update_and_replay_the_new_weights():
             model.model.layers[3].mlp.up_proj.weight.add_(
                 0.05 * torch.randn_like(model.model.layers[3].mlp.up_proj.weight)
             )
+            # q/k/v and gate/up reach the steps through the fused copies (`_fused_projections.py`)
+            model.model.layers[2].self_attn.k_proj.weight.mul_(1.3)
         engine.mark_weights_updated()
         assert engine._batch._graphs == graphs, "an in-place update dropped the graphs"
         after = generate()
@@ -192,13 +194,14 @@ def test_a_sleep_returns_the_cache_memory_and_keeps_its_addresses_and_graphs(own
         whether every graph from before was kept, and the new tokens."""
         graphs, addresses = dict(batch._graphs), [t.data_ptr() for t in batch.keys + batch.values]
         cache_bytes = sum(t.numel() * t.element_size() for t in batch.keys + batch.values)
+        fused_bytes = batch.fused.nbytes  # the concatenated projection weights go back too
         capture = engine.stats()["busy_graph_capture_s"]
         assert engine.stats()["kv_cache_gib"] == round(cache_bytes / 2**30, 4)
         torch.cuda.synchronize()
         free_awake, _ = torch.cuda.mem_get_info()
         engine.sleep()
         free_asleep, _ = torch.cuda.mem_get_info()
-        assert free_asleep - free_awake >= cache_bytes, (free_asleep - free_awake, cache_bytes)
+        assert free_asleep - free_awake >= cache_bytes + fused_bytes, (free_asleep - free_awake, cache_bytes)
         assert engine.stats()["kv_cache_gib"] == 0
         trainer = torch.full((free_asleep - free_awake,), 255, dtype=torch.uint8, device="cuda")  # NaN floats
         del trainer
@@ -215,6 +218,7 @@ def test_a_sleep_returns_the_cache_memory_and_keeps_its_addresses_and_graphs(own
     try:
         before, _ = generate()
         assert batch._graphs and batch._memory is not None, "the cache is not at stable addresses on this GPU"
+        assert batch.fused is not None and batch.fused.stable
         kept, after = sleep_and_wake()
         assert after == before
         assert kept == (settled or not owns_weights), (

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from agentrl.rollout.engines._fused_projections import LayerFused
 from agentrl.rollout.engines._slot_decode import (
     DecodeRegions,
     _rotary,
@@ -90,28 +91,31 @@ def flash_layer(
     positions: torch.Tensor,
     rows: FlashRows,
     head_dim: int,
+    fused: LayerFused | None,
     cache_rows: torch.Tensor,
     projections: Callable[..., tuple[torch.Tensor, ...]] = layer_projections,
     output: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layer_output,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer of `flash_extend_step` (`slot_layer`'s signature, so `through_layers` runs it). Where
-    `rotary_write` serves it (CUDA, plain projections): the three projections as one matrix multiply, then one
-    kernel rotates, writes the cache and lays the queries out; else `projections` and `flash_cache_part`'s
-    writes. Then the attention over the rows' slots and the `output` part. `projections` and `output` are the
-    compiled parts under `compiled_flash_extend_step`."""
+    `rotary_write` serves it (CUDA, plain projections): the three projections as one matrix multiply (by the
+    `fused` weight, else by the three concatenated in this forward), then one kernel adds their biases, rotates,
+    writes the cache and lays the queries out; else `projections` and `flash_cache_part`'s writes. Then the
+    attention over the rows' slots and the `output` part. `projections` and `output` are the compiled parts
+    under `compiled_flash_extend_step`."""
     attn = layer.self_attn
     if rotary_write_takes(attn, head_dim, x.device):
         linears = (attn.q_proj, attn.k_proj, attn.v_proj)
-        qkv = F.linear(x.reshape(-1, x.shape[-1]), torch.cat([linear.weight for linear in linears]))
+        weight = torch.cat([linear.weight for linear in linears]) if fused is None else fused.qkv
+        qkv = F.linear(x.reshape(-1, x.shape[-1]), weight)
         biases = None if attn.q_proj.bias is None else tuple(linear.bias for linear in linears)
         heads = attn.q_proj.out_features // head_dim
         cos, sin = cos.reshape(-1, head_dim), sin.reshape(-1, head_dim)
         q = rotary_write(qkv, biases, cos, sin, cache_rows, keys, values, heads)
         out = flash_cache_attention(q, keys, values, rows, attn.scaling).view(*hidden.shape[:2], -1)
     else:
-        q, k, v = projections(layer, x, cos, sin, head_dim)
+        q, k, v = projections(layer, x, cos, sin, head_dim, fused)
         out = flash_cache_part(q, k, v, keys, values, positions, rows, attn.scaling, cache_rows)
-    return output(layer, following_norm, hidden, out)
+    return output(layer, following_norm, hidden, out, fused)
 
 
 def cache_rows_of(token_slots: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -133,14 +137,18 @@ def flash_extend_step(
     last: torch.Tensor,
     rows: FlashRows,
     regions: DecodeRegions | None = None,
+    fused: list[LayerFused] | None = None,
 ) -> torch.Tensor:
     """Feed the packed tokens `token_ids` (T / W, W) at `positions` of slots `token_slots` (same shape); write
     their keys and values; return the logits at the flat token indices `last` (one per row, (R, V)). `rows` says
-    which tokens form each row and how much of its slot each reads (`packed_rows`)."""
+    which tokens form each row and how much of its slot each reads (`packed_rows`). `fused`: each layer's
+    concatenated projection weights (`FusedProjections.layers`), or None."""
     regions = regions or PLAIN_FLASH_REGIONS
     hidden, x, cos, sin = regions.inputs(model, token_ids, positions, None, 0)
     cache_rows = cache_rows_of(token_slots, positions, keys[0])
-    x = through_layers(model, regions, keys, values, hidden, x, cos, sin, positions, rows, cache_rows)
+    x = through_layers(
+        model, regions, keys, values, hidden, x, cos, sin, positions, rows, cache_rows, fused=fused
+    )
     return model.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, last))
 
 

@@ -50,6 +50,7 @@ from agentrl.rollout.engines._flash_extend import (
     flash_sequences,
     packed_rows,
 )
+from agentrl.rollout.engines._fused_projections import FusedProjections, LayerFused
 from agentrl.rollout.engines._prefix_cache import PrefixCache, PrefixMatch, shared_prefixes
 from agentrl.rollout.engines._sampling import as_int64, policy_logprob, sample_on_device
 from agentrl.rollout.engines._slot_decode import (
@@ -65,6 +66,7 @@ from agentrl.rollout.engines._slot_decode import (
     prefill_slots,
     slot_layer,
     text_config,
+    text_model,
 )
 from agentrl.rollout.engines._stable_memory import StableMemory, stable_memory
 from agentrl.rollout.engines._staging import PinnedStaging
@@ -207,15 +209,15 @@ def _split_extend_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch
         output = _compiled("layer output", backend, lambda: torch.compile(layer_output, backend=backend))
 
         def split_layer(
-            module, following, hidden, x, cos, sin, keys, values, positions, visible, head_dim, slots
+            module, following, hidden, x, cos, sin, keys, values, positions, visible, head_dim, fused, slots
         ):
             for tensor in (hidden, x, cos, sin):
                 maybe_mark_dynamic(tensor, 0)
-            q, k, v = projections(module, x, cos, sin, head_dim)
+            q, k, v = projections(module, x, cos, sin, head_dim, fused)
             scale = module.self_attn.scaling
             out = cache_attention(q, k, v, keys, values, positions, visible, scale, slots)
             maybe_mark_dynamic(out, 0)
-            return output(module, following, hidden, out)
+            return output(module, following, hidden, out, fused)
 
         return split_layer
 
@@ -329,17 +331,23 @@ class SlotBatch:
         compile_decode: bool = False,
         prefix_caching: bool = True,
         prefill_chunk_tokens: int = 8192,
+        fuse_projections: bool = True,
     ) -> None:
         """`prefix_caching`: reuse the keys and values of prompt prefixes already computed (`_prefix_cache.py`).
         `prefill_chunk_tokens`: the most prompt tokens one prefill forward computes. `compile_decode`: run the
         decode and extend steps through torch.compile (CUDA graphs only): Inductor fuses the ~40 small kernels
-        per layer (norms, rotary, residuals) that keep a graph replay launch-bound."""
+        per layer (norms, rotary, residuals) that keep a graph replay launch-bound. `fuse_projections`: multiply
+        by concatenated copies of each layer's q/k/v and gate/up weights (`_fused_projections.py`) where the
+        layers allow it."""
         self.model = model
         self.shape = KVShape.of(model)
         self.max_slots = max_slots
         self.max_model_len = max_model_len
         self.device = next(model.parameters()).device
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        layers = text_model(model).layers
+        self.fused = FusedProjections.of(layers, stable=self.cuda_graphs) if fuse_projections else None
+        """Concatenated projection weights the steps multiply by, or None (off, or layers they cannot serve)."""
         self._decode_step = decode_step
         self._extend_step = extend_step
         if compile_decode and self.cuda_graphs:
@@ -678,7 +686,9 @@ class SlotBatch:
         if not self.cuda_graphs:
             moved = (t.to(self.device) for t in inputs)
             offsets = rope_offsets.to(self.device) if self.images else None
-            return self._extend_step(self.model, self.keys, self.values, *moved, span, offsets).clone()
+            return self._extend_step(
+                self.model, self.keys, self.values, *moved, span, offsets, fused=self._fused_layers()
+            ).clone()
         key = ("extend", *tokens.shape, span)
         buffers = self._extend_inputs.get(key[:3])
         if buffers is None:
@@ -690,7 +700,15 @@ class SlotBatch:
 
             def step() -> torch.Tensor:
                 offsets = buffers[4] if self.images else None
-                return self._extend_step(self.model, self.keys, self.values, *buffers[:4], span, offsets)
+                return self._extend_step(
+                    self.model,
+                    self.keys,
+                    self.values,
+                    *buffers[:4],
+                    span,
+                    offsets,
+                    fused=self._fused_layers(),
+                )
 
             self._graphs[key] = self._capture(lambda: self._compiled_or_plain("extend", step), step)
         graph, output = self._graphs[key]
@@ -751,7 +769,9 @@ class SlotBatch:
 
         def step() -> torch.Tensor:
             shaped = (t.view(-1, WIDTH) for t in (slots, ids, positions))
-            return self._flash_step(self.model, self.keys, self.values, *shaped, last, rows_at)
+            return self._flash_step(
+                self.model, self.keys, self.values, *shaped, last, rows_at, fused=self._fused_layers()
+            )
 
         if not self.cuda_graphs:
             started = self._prefill_started()
@@ -794,7 +814,7 @@ class SlotBatch:
             packed = self.images.pack([(b[3], b[2], vision.get(b[0])) for b in batch]) if vision else None
             out = prefill_slots(
                 self.model, self.keys, self.values, [b[1] for b in batch], [b[2] for b in batch],
-                [b[3] for b in batch], packed, self._to_device,
+                [b[3] for b in batch], packed, self._to_device, self._fused_layers(),
             )  # fmt: skip
             left_over = []
             for row, (i, slot, start, chunk) in enumerate(batch):
@@ -908,9 +928,14 @@ class SlotBatch:
                 )
 
     def release_cache(self) -> None:
-        """Drop every row and give the cache's memory back (the hybrid engine's sleep). A cache at stable
-        addresses keeps them, its length and the graphs that read it: `_ensure_length` maps memory there
-        again. Any other cache is freed with its graphs (`clear`)."""
+        """Drop every row and give the cache's memory back (the hybrid engine's sleep), and the fused weights'
+        (`weights_changed` at the wake brings them back). A cache at stable addresses keeps them, its length
+        and the graphs that read it: `_ensure_length` maps memory there again. Any other cache is freed with its
+        graphs (`clear`), as are graphs that read fused weights without stable addresses."""
+        if self.fused is not None:
+            self.fused.release()
+            if not self.fused.stable:
+                self.drop_graphs()
         if self._memory is None:
             self.clear()
             return
@@ -939,6 +964,12 @@ class SlotBatch:
         agent workload whenever the cache stayed allocated (`free_cache_engine=false`, asynchronous training)."""
         if self._graph_weights is not None and self._graph_weights != weight_layout(self.model):
             self.drop_graphs()
+        if self.fused is not None:
+            self.fused.refresh()
+
+    def _fused_layers(self) -> list[LayerFused] | None:
+        """What the steps' `fused` argument is: the layers' concatenated weights, or None."""
+        return None if self.fused is None else self.fused.layers
 
     # ----- decoding --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -1101,8 +1132,19 @@ class SlotBatch:
         offsets = self._rope_offsets[:bucket] if self.images else None
         ids, positions = self._token_ids[:bucket], self._positions[:bucket]
         if self.cuda_graphs:  # one graph per bucket reads the whole cache length
-            return self._decode_step(self.model, self.keys, self.values, ids, positions, offsets)
-        return self._decode_step(self.model, self.keys, self.values, ids, positions, offsets, self._span())
+            return self._decode_step(
+                self.model, self.keys, self.values, ids, positions, offsets, fused=self._fused_layers()
+            )
+        return self._decode_step(
+            self.model,
+            self.keys,
+            self.values,
+            ids,
+            positions,
+            offsets,
+            self._span(),
+            fused=self._fused_layers(),
+        )
 
     def _span(self) -> int:
         """Cache positions a decode step must read: past every running row's next position (a multiple of
@@ -1238,8 +1280,9 @@ class SlotBatch:
             last = torch.zeros(MIN_BUCKET, dtype=torch.long, device=self.device)
             offsets = torch.zeros(MIN_BUCKET, dtype=torch.long, device=self.device) if self.images else None
         return self._extend_step(
-            self.model, self.keys, self.values, slots, tokens, positions, last, span, offsets
-        )
+            self.model, self.keys, self.values, slots, tokens, positions, last, span, offsets,
+            fused=self._fused_layers(),
+        )  # fmt: skip
 
     def _flash_placeholder(self) -> torch.Tensor:
         """A `flash_extend_step` of `MIN_BUCKET` rows of `WIDTH` padding tokens (written at the sink of slot 0,
@@ -1253,7 +1296,9 @@ class SlotBatch:
             rows = FlashRows.empty(sequences_at, WIDTH, self.length, self.device)
         rows.fill_(sequences.to(self.device))
         shaped = (t.view(-1, WIDTH) for t in (slots, ids, positions))
-        return self._flash_step(self.model, self.keys, self.values, *shaped, last, rows)
+        return self._flash_step(
+            self.model, self.keys, self.values, *shaped, last, rows, fused=self._fused_layers()
+        )
 
     # ----- memory ----------------------------------------------------------------------------------
     def _ensure_length(self, needed: int) -> None:

@@ -32,6 +32,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from agentrl.rollout.engines._fused_projections import LayerFused, mlp_output, project_qkv
+
 MROPE_ARCHITECTURES = (
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
@@ -242,6 +244,7 @@ def decode_step(
     rope_offsets: torch.Tensor | None = None,
     span: int | None = None,
     regions: DecodeRegions | None = None,
+    fused: list[LayerFused] | None = None,
 ) -> torch.Tensor:
     """Feed token_ids[i] at positions[i] of slot i (i < b); write its keys and values; return logits (b, V).
 
@@ -249,12 +252,12 @@ def decode_step(
     `rope_offsets` (b,) long: the rotary position is positions[i] + rope_offsets[i] (a multimodal sequence's
     offset after its images; broadcast to the three mrope components). `span`: attention reads only cache
     positions 0..span-1, which must hold every running row's position (idle slots write past it, unread).
-    `regions`: the functions that run its parts (default: the plain ones).
+    `regions`: the functions that run its parts (default: the plain ones). `fused`: `FusedProjections.layers`.
     """
     regions = regions or PLAIN_REGIONS
     length = keys[0].shape[2] if span is None else span
     hidden, x, cos, sin, visible = regions.inputs(model, token_ids, positions, rope_offsets, length)
-    x = through_layers(model, regions, keys, values, hidden, x, cos, sin, positions, visible)
+    x = through_layers(model, regions, keys, values, hidden, x, cos, sin, positions, visible, fused=fused)
     return model.lm_head(x)[:, 0]
 
 
@@ -270,11 +273,13 @@ def through_layers(
     positions: torch.Tensor,
     visible: object,
     *slots: torch.Tensor,
+    fused: list[LayerFused] | None = None,
 ) -> torch.Tensor:
     """Every decoder layer of a step (`regions.layer` on each layer's cache); the last layer's output through
     the final norm. `visible`: what the layer's cache part reads to know which positions each row sees (a mask,
     or `_flash_extend`'s `FlashRows`); `slots`: `extend_step`'s slot of each row, or `flash_extend_step`'s
-    cache rows of each token (`cache_rows_of`)."""
+    cache rows of each token (`cache_rows_of`); `fused`: each layer's concatenated projection weights
+    (`FusedProjections.layers`), or None to multiply by the modules' own."""
     head_dim = KVShape.of(model).head_dim
     inner = text_model(model)
     layers = inner.layers
@@ -282,7 +287,7 @@ def through_layers(
         following = layers[index + 1].input_layernorm if index + 1 < len(layers) else inner.norm
         hidden, x = regions.layer(
             layer, following, hidden, x, cos, sin, keys[index], values[index], positions, visible, head_dim,
-            *slots,
+            None if fused is None else fused[index], *slots,
         )  # fmt: skip
     return x
 
@@ -299,6 +304,7 @@ def slot_layer(
     positions: torch.Tensor,
     visible: torch.Tensor,
     head_dim: int,
+    fused: LayerFused | None = None,
     slot_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer of `decode_step` or `extend_step` (`_flash_extend.flash_layer` is `flash_extend_step`'s):
@@ -314,19 +320,25 @@ def slot_layer(
     same code; the layer's weights are inputs of the compiled graph): tracing a 24-layer step took 33-71 s in
     every process (`benchmarks/decode_compile.py`). Its three parts are functions too, so that a compiled extend
     step compiles the two around the cache and runs the cache's part as it is (`compiled_extend_step`)."""
-    q, k, v = layer_projections(layer, x, cos, sin, head_dim)
+    q, k, v = layer_projections(layer, x, cos, sin, head_dim, fused)
     out = cache_attention(q, k, v, keys, values, positions, visible, layer.self_attn.scaling, slot_ids)
-    return layer_output(layer, following_norm, hidden, out)
+    return layer_output(layer, following_norm, hidden, out, fused)
 
 
 def layer_projections(
-    layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+    layer: torch.nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+    fused: LayerFused | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`slot_layer`'s queries, keys and values of `x` (R, W, H), each (R, heads, W, D), rotated."""
     attn = layer.self_attn
-    q = _rotate(_heads(attn.q_proj(x), head_dim, getattr(attn, "q_norm", None)), cos, sin)
-    k = _rotate(_heads(attn.k_proj(x), head_dim, getattr(attn, "k_norm", None)), cos, sin)
-    return q, k, _heads(attn.v_proj(x), head_dim, None)
+    q, k, v = project_qkv(attn, x, fused)
+    q = _rotate(_heads(q, head_dim, getattr(attn, "q_norm", None)), cos, sin)
+    k = _rotate(_heads(k, head_dim, getattr(attn, "k_norm", None)), cos, sin)
+    return q, k, _heads(v, head_dim, None)
 
 
 def cache_attention(
@@ -362,12 +374,16 @@ def cache_attention(
 
 
 def layer_output(
-    layer: torch.nn.Module, following_norm: torch.nn.Module, hidden: torch.Tensor, out: torch.Tensor
+    layer: torch.nn.Module,
+    following_norm: torch.nn.Module,
+    hidden: torch.Tensor,
+    out: torch.Tensor,
+    fused: LayerFused | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`slot_layer`'s rest after attention: the output projection, the MLP, both residual adds; the residual
     stream and it through `following_norm`."""
     hidden = hidden + layer.self_attn.o_proj(out)
-    hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    hidden = hidden + mlp_output(layer.mlp, layer.post_attention_layernorm(hidden), fused)
     return hidden, following_norm(hidden)
 
 
@@ -384,6 +400,7 @@ def prefill_slots(
     chunks: list[list[int]],
     vision: PackedVision | None = None,
     to_device: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    fused: list[LayerFused] | None = None,
 ) -> torch.Tensor:
     """Feed `chunks[r]` at positions starts[r].. of slot slots[r]; write their keys and values; return the
     logits of each chunk's last token (rows, V). `to_device`: how a host tensor reaches the model's device
@@ -393,7 +410,8 @@ def prefill_slots(
     attends to what its slot already holds (positions 0..starts[r]-1: a reused prefix, or an earlier chunk of
     the same prompt) and causally to itself. Only attention pads, to the longest chunk: one SDPA call over
     (rows, kv heads, query heads per kv head x widest chunk, keys) with a mask for each row's own positions.
-    `vision`: a vision-language model's image features and rotary positions for these tokens.
+    `vision`: a vision-language model's image features and rotary positions for these tokens. `fused`: as
+    `decode_step`'s.
     """
     inner = text_model(model)
     shape = KVShape.of(model)
@@ -432,12 +450,14 @@ def prefill_slots(
     for index, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)[0]
-        q = attn.q_proj(x).view(total, heads, shape.head_dim)
-        k = attn.k_proj(x).view(total, shape.kv_heads, shape.head_dim)
+        fused_layer = None if fused is None else fused[index]
+        q, k, v = project_qkv(attn, x, fused_layer)
+        q = q.view(total, heads, shape.head_dim)
+        k = k.view(total, shape.kv_heads, shape.head_dim)
         if getattr(attn, "q_norm", None) is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        v = attn.v_proj(x).view(total, shape.kv_heads, shape.head_dim)
+        v = v.view(total, shape.kv_heads, shape.head_dim)
         keys[index][slot_of, :, positions] = k
         values[index][slot_of, :, positions] = v
         padded = q.new_zeros(rows, widest, heads, shape.head_dim)
@@ -453,7 +473,7 @@ def prefill_slots(
         )
         out = out.reshape(rows, heads, widest, shape.head_dim).permute(0, 2, 1, 3)[row_of, offset]
         hidden = hidden + attn.o_proj(out.reshape(1, total, heads * shape.head_dim))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = hidden + mlp_output(layer.mlp, layer.post_attention_layernorm(hidden), fused_layer)
         if vision is not None and index < len(vision.deepstack):
             hidden[0, vision.mask] += vision.deepstack[index].to(hidden.dtype)
     return model.lm_head(inner.norm(hidden[0].index_select(0, last)))
@@ -491,6 +511,7 @@ def extend_step(
     span: int,
     rope_offsets: torch.Tensor | None = None,
     regions: DecodeRegions | None = None,
+    fused: list[LayerFused] | None = None,
 ) -> torch.Tensor:
     """Feed token_ids[r] (W tokens) at positions[r] of slot slot_ids[r]; write their keys and values; return the
     logits at token last[r] of each row (R, V). Attention reads cache positions 0..span-1, which must hold every
@@ -501,11 +522,13 @@ def extend_step(
     hundreds of small kernels. Padding tokens (and padding rows) sit at the slot's last cache position, the
     sink no sequence reaches, so what they write is never read. `rope_offsets` (R,) long: as in `decode_step`.
     `regions`: the functions that run its parts (default: the plain `extend_inputs` and `slot_layer`;
-    `compiled_extend_step` compiles them, the layer's parts around the cache only).
+    `compiled_extend_step` compiles them, the layer's parts around the cache only). `fused`: as `decode_step`'s.
     """
     regions = regions or PLAIN_EXTEND_REGIONS
     hidden, x, cos, sin, mask = regions.inputs(model, token_ids, positions, rope_offsets, span)
-    x = through_layers(model, regions, keys, values, hidden, x, cos, sin, positions, mask, slot_ids)
+    x = through_layers(
+        model, regions, keys, values, hidden, x, cos, sin, positions, mask, slot_ids, fused=fused
+    )
     return model.lm_head(x[torch.arange(x.shape[0], device=x.device), last])
 
 

@@ -135,7 +135,7 @@ def stable_memory(nbytes: int, device: torch.device, what: str) -> StableMemory 
     reason = unavailable_reason(device)
     if reason is None:
         try:
-            return StableMemory(nbytes, device)
+            return StableMemory(nbytes, device, what)
         except CudaDriverError as error:
             reason = _UNAVAILABLE = f"the CUDA driver refused it: {error}"
     if what not in _SAID:
@@ -153,10 +153,11 @@ class StableMemory:
     `release` and `restore`. Tensors over it (`tensor`) hold no reference to the pages: keep this object while
     they are used, and `free` it only once nothing queued on the device reads them."""
 
-    def __init__(self, nbytes: int, device: torch.device) -> None:
+    def __init__(self, nbytes: int, device: torch.device, what: str = "the KV cache") -> None:
         if reason := unavailable_reason(device):
             raise RuntimeError(reason)
         self.device = device
+        self.what = what
         self._prop = _AllocationProp(
             type=_ALLOCATION_PINNED, location=_Location(type=_LOCATION_DEVICE, id=_ordinal(device))
         )
@@ -216,9 +217,10 @@ class StableMemory:
             except CudaDriverError as again:
                 free, _ = torch.cuda.mem_get_info(self.device)
                 raise RuntimeError(
-                    f"the embedded engine could not get its KV cache's {self.nbytes / 2**30:.2f} GiB back after "
-                    f"a sleep ({free / 2**30:.2f} GiB free on {self.device}): the trainer holds the rest. Lower "
-                    "actor_rollout_ref.rollout.max_num_seqs or data.max_response_length"
+                    f"the embedded engine could not get back the {self.nbytes / 2**30:.2f} GiB of {self.what} after "
+                    f"a sleep ({free / 2**30:.2f} GiB free on {self.device}): the trainer holds the rest. A smaller KV "
+                    "cache: lower actor_rollout_ref.rollout.max_num_seqs or data.max_response_length; no fused "
+                    "weights: actor_rollout_ref.rollout.fuse_projections=false"
                 ) from again
         address = ctypes.c_uint64(self.address)
         try:

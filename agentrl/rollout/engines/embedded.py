@@ -120,6 +120,7 @@ class EmbeddedEngine:
         chunked_prefill: bool = True,
         prefix_max_weight_changes: int = 0,
         sleeps_between_steps: bool = False,
+        fuse_projections: bool = True,
     ) -> None:
         """`image_processor`: a vision-language model's (loaded from the model's folder when None).
         `cuda_graphs=False` decodes eagerly (verl's `enforce_eager`); it only matters on CUDA.
@@ -139,7 +140,9 @@ class EmbeddedEngine:
         every one; asynchronous training with `async_training.reuse_stale_prefixes` sets its staleness bound).
         `sleeps_between_steps`: the hybrid engine sleeps around every update; weights it owns move now to the
         addresses each wake brings them back to (`ParkedWeights.settle`), so graphs captured before the first
-        sleep stay valid (else all were captured again after it: 0.85 s of a 20-step SmolLM2 run on an H200)."""
+        sleep stay valid (else all were captured again after it: 0.85 s of a 20-step SmolLM2 run on an H200).
+        `fuse_projections`: the slot path multiplies by concatenated copies of each layer's q/k/v and gate/up
+        weights (`_fused_projections.py`), copied again at every weight change."""
         self.model = model.eval()
         self.owns_weights = owns_weights
         self.draw_on_device = draw_on_device
@@ -150,6 +153,7 @@ class EmbeddedEngine:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefix_max_weight_changes = prefix_max_weight_changes
+        self.fuse_projections = fuse_projections
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
@@ -213,6 +217,7 @@ class EmbeddedEngine:
             compile_decode=compile_decode,
             prefix_caching=self.enable_prefix_caching,
             prefill_chunk_tokens=self.prefill_chunk_tokens,
+            fuse_projections=self.fuse_projections,
         )
 
     # ----- generation -------------------------------------------------------------------------

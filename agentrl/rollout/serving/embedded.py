@@ -106,6 +106,7 @@ def start_embedded_serving(
         chunked_prefill=rollout.enable_chunked_prefill,
         prefix_max_weight_changes=stale_prefix_bound(config),
         sleeps_between_steps=rollout.free_cache_engine,
+        fuse_projections=rollout.fuse_projections,
     )
     name = served_model_name(config)
     app = build_server_app(

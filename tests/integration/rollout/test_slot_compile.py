@@ -88,9 +88,10 @@ def test_the_extend_step_compiles_at_compile_now_and_no_later_shape_compiles_aga
         positions = start[:, None] + torch.arange(EXTEND_MAX_TOKENS)
         last = torch.randint(0, EXTEND_MAX_TOKENS, (rows,), generator=generator)
         inputs = (slots, tokens, positions, last, span)
-        compiled = batch._extend_step(model, batch.keys, batch.values, *inputs)
+        fused = batch._fused_layers()  # as the engine calls it
+        compiled = batch._extend_step(model, batch.keys, batch.values, *inputs, fused=fused)
         written = [t[slots].clone() for t in (*batch.keys, *batch.values)]
-        plain = extend_step(model, batch.keys, batch.values, *inputs)
+        plain = extend_step(model, batch.keys, batch.values, *inputs, fused=fused)
         torch.testing.assert_close(compiled, plain)
         for before, after in zip(written, (*batch.keys, *batch.values), strict=True):
             torch.testing.assert_close(before, after[slots])

@@ -1,0 +1,173 @@
+"""Each decoder layer's parallel projections as one matrix each: queries, keys and values, and the MLP's gate and up.
+
+A layer multiplies its input by q, k and v (three weights) and its normed residual by gate and up (two): five
+launches where two do the same work, and each small multiply leaves an H200 idler than one wider one. Measured
+on an H200 in the 12-row next-turn prefill forward of the 0.5B shape (576 tokens): 1.95 against 2.05 ms of device
+time, 270 against 318 kernels, with the q/k/v weights concatenated once instead of inside every forward
+(docs/benchmarks.md). vLLM loads its weights into merged parameters; the embedded engine serves the model as
+transformers builds it (the trainer's own module under the hybrid engine), so it keeps concatenated copies here
+and copies the weights into them again whenever they change (`SlotBatch.weights_changed`: a push, a LoRA merge,
+the trainer's step on shared weights, a wake). They cost the memory of those weights once more (two thirds of
+the layers' weights: 0.4 GiB for the 0.5B shape in bfloat16), given back while the engine sleeps
+(`actor_rollout_ref.rollout.fuse_projections=false` keeps none).
+
+Under CUDA graphs the copies lie in `StableMemory`, so the graphs that read them survive the sleep as the
+cache's do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from agentrl.rollout.engines._stable_memory import StableMemory, stable_memory
+
+ALIGNMENT = 512
+"""Bytes each copy's place is aligned to (what kernels assume of a fresh allocation)."""
+
+
+class LayerFused(NamedTuple):
+    """One layer's concatenated weights, what its projections read in place of the modules'."""
+
+    qkv: torch.Tensor
+    """(q + k + v outputs, hidden): q_proj's, k_proj's and v_proj's weights one under the other."""
+    qkv_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    """(2 x intermediate, hidden): gate_proj's weight over up_proj's."""
+    widths: tuple[int, int, int]
+    """Outputs of q, k and v: where `qkv`'s product splits."""
+
+
+def project_qkv(
+    attn: torch.nn.Module, x: torch.Tensor, fused: LayerFused | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys and values of `x` (..., hidden), each (..., its outputs): one multiply with `fused`."""
+    if fused is None:
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    q, k, v = F.linear(x, fused.qkv, fused.qkv_bias).split(fused.widths, dim=-1)
+    return q, k, v
+
+
+def mlp_output(mlp: torch.nn.Module, x: torch.Tensor, fused: LayerFused | None) -> torch.Tensor:
+    """The MLP of `x`: down(act(gate(x)) x up(x)), gate and up as one multiply with `fused`."""
+    if fused is None:
+        return mlp(x)
+    gate, up = F.linear(x, fused.gate_up).chunk(2, dim=-1)
+    return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+def _plain(module: object) -> bool:
+    return type(module) is torch.nn.Linear
+
+
+def unfusable_reason(layers: Sequence[torch.nn.Module]) -> str | None:
+    """Why the layers' projections cannot be fused (None: they can): every layer needs plain `nn.Linear` q, k, v
+    (biases on all three or none), gate and up (no biases) of one dtype, and an MLP of `down_proj(act_fn(gate) x
+    up)`. Adapter-wrapped, quantized or already merged projections (Phi-3's `gate_up_proj`) keep their modules."""
+    for index, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+        linears += [getattr(mlp, name, None) for name in ("gate_proj", "up_proj")]
+        if not all(_plain(linear) for linear in linears) or not hasattr(mlp, "act_fn"):
+            return f"layer {index}'s projections are not plain nn.Linear q/k/v and gate/up"
+        if not _plain(getattr(mlp, "down_proj", None)):
+            return f"layer {index}'s MLP has no plain down_proj"
+        if len({linear.bias is None for linear in linears[:3]}) > 1 or any(
+            m.bias is not None for m in linears[3:]
+        ):
+            return f"layer {index} has biases on some of q/k/v only, or on gate/up"
+        if len({linear.weight.dtype for linear in linears}) > 1:
+            return f"layer {index}'s projections differ in dtype"
+    return None
+
+
+class FusedProjections:
+    """Concatenated copies of every layer's q/k/v and gate/up weights (`layers[i]` for layer i), in one block of
+    device memory: `StableMemory` under CUDA graphs where the driver offers it (`stable`), else the allocator's."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module], stable: bool) -> None:
+        self._layers = list(layers)
+        """The decoder layers, whose projections are looked up at every `refresh` (a LoRA merge wraps and unwraps
+        them)."""
+        self._shapes, end = [], 0
+        for attention, mlp in map(_sources, self._layers):
+            places = []
+            for rows, columns in (
+                (sum(m.out_features for m in attention), attention[0].in_features),
+                (sum(m.out_features for m in mlp), mlp[0].in_features),
+            ):
+                places.append((end, (rows, columns)))
+                end = _aligned(end + rows * columns * self.dtype.itemsize)
+            if attention[0].bias is not None:
+                places.append((end, (sum(m.out_features for m in attention),)))
+                end = _aligned(end + places[-1][1][0] * self.dtype.itemsize)
+            self._shapes.append(places)
+        self.nbytes = end
+        self.device = self._layers[0].self_attn.q_proj.weight.device
+        self._memory: StableMemory | None = (
+            stable_memory(self.nbytes, self.device, "the fused projection weights") if stable else None
+        )
+        self.stable = self._memory is not None
+        self.layers: list[LayerFused] = []
+        self.refresh()
+
+    @classmethod
+    def of(cls, layers: Sequence[torch.nn.Module], stable: bool) -> FusedProjections | None:
+        """Fused copies of the decoder `layers`, or None where `unfusable_reason` finds one they cannot serve."""
+        return None if unfusable_reason(layers) else cls(layers, stable)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._layers[0].self_attn.q_proj.weight.dtype
+
+    def refresh(self) -> None:
+        """Copy the modules' current weights in (after a sleep, into memory mapped again or allocated anew)."""
+        if self._memory is not None:
+            self._memory.restore()  # nothing to do unless released
+        if not self.layers:
+            self.layers = self._place()
+        with torch.no_grad():
+            for (attention, mlp), fused in zip(map(_sources, self._layers), self.layers, strict=True):
+                torch.cat([m.weight for m in attention], out=fused.qkv)
+                torch.cat([m.weight for m in mlp], out=fused.gate_up)
+                if fused.qkv_bias is not None:
+                    torch.cat([m.bias for m in attention], out=fused.qkv_bias)
+
+    def release(self) -> None:
+        """Give the copies' memory back while the engine sleeps; `refresh` brings them back. Stable memory keeps
+        its addresses (and `layers` over them), so graphs that read it stay valid; other memory is freed and
+        comes back elsewhere (the caller drops its graphs)."""
+        if self._memory is not None:
+            self._memory.release()
+        else:
+            self.layers = []
+
+    def _place(self) -> list[LayerFused]:
+        if self._memory is not None:
+            block = self._memory.tensor(0, self.nbytes)
+        else:
+            block = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        itemsize = self.dtype.itemsize
+        layers = []
+        for (attention, _), places in zip(map(_sources, self._layers), self._shapes, strict=True):
+            qkv, gate_up, *bias = (
+                block[at : at + math.prod(shape) * itemsize].view(self.dtype).view(shape)
+                for at, shape in places
+            )
+            widths = tuple(m.out_features for m in attention)
+            layers.append(LayerFused(qkv, bias[0] if bias else None, gate_up, widths))
+        return layers
+
+
+def _sources(layer: torch.nn.Module) -> tuple[tuple[torch.nn.Linear, ...], tuple[torch.nn.Linear, ...]]:
+    """A layer's (q, k, v) and (gate, up) projections."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGNMENT) * ALIGNMENT
