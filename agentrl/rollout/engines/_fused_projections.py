@@ -137,6 +137,24 @@ class FusedProjections:
                 if fused.qkv_bias is not None:
                     torch.cat([m.bias for m in attention], out=fused.qkv_bias)
 
+    def stale_layers(self) -> list[int]:
+        """Layers whose copies differ from their modules' weights now: none unless a weight was written without
+        `refresh` after it (what the engine's fingerprint check looks for: the fingerprint reads the modules)."""
+        stale: list[int] = []
+        if not self.layers:  # released: no copies to differ
+            return stale
+        with torch.no_grad():
+            for index, (layer, fused) in enumerate(zip(self._layers, self.layers, strict=True)):
+                attention, mlp = _sources(layer)
+                pairs = [(attention, "weight", fused.qkv), (mlp, "weight", fused.gate_up)]
+                if fused.qkv_bias is not None:
+                    pairs.append((attention, "bias", fused.qkv_bias))
+                if not all(
+                    torch.equal(torch.cat([getattr(m, name) for m in ms]), kept) for ms, name, kept in pairs
+                ):
+                    stale.append(index)
+        return stale
+
     def release(self) -> None:
         """Give the copies' memory back while the engine sleeps; `refresh` brings them back. Stable memory keeps
         its addresses (and `layers` over them), so graphs that read it stay valid; other memory is freed and

@@ -776,8 +776,18 @@ class EmbeddedEngine:
             return self.policy_version
 
     def weights_fingerprint(self) -> str:
-        """`fingerprint_state_dict` of the served weights; equals the trainer's for the same weights."""
+        """`fingerprint_state_dict` of the served weights; equals the trainer's for the same weights. Raises when
+        the steps' fused projection copies no longer equal the modules it reads (a weight written in place with
+        no `mark_weights_updated`): the fingerprint alone would vouch for weights the steps do not multiply by."""
         with self._between_steps():
+            fused = getattr(self._batch, "fused", None)
+            stale = fused.stale_layers() if fused is not None and not self._asleep else []
+            if stale:
+                raise RuntimeError(
+                    f"embedded engine: the fused projection weights of layers {stale[:8]} differ from the model's "
+                    "own: its weights were written without update_weights or mark_weights_updated, and decoding "
+                    "still multiplies by the old ones"
+                )
             return fingerprint_state_dict(self.model.state_dict())
 
     def sleep(self, discard_weights: bool = False, keep_allocator_cache: bool = False) -> None:
@@ -880,7 +890,11 @@ class EmbeddedEngine:
             "kv_cache_usage": 0.0,
             "parked_sequences": 0,
             "kv_cache_gib": 0.0,
+            "fused_projections_gib": 0.0,
         }
+        fused = getattr(self._batch, "fused", None)
+        if fused is not None and not self._asleep:
+            stats["fused_projections_gib"] = round(fused.nbytes / 2**30, 4)
         if isinstance(self._batch, SlotBatch) and self._batch.length:
             capacity = self._batch.max_slots * self._batch.length
             stats["kv_cache_usage"] = round(self._batch.held_tokens / capacity, 4)

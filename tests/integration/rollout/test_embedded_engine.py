@@ -201,9 +201,12 @@ def test_sleep_holds_requests_until_wake_up(engine, prompts, caplog):
     assert engine.stats()["tokens_generated"] > 0
     assert engine.stats()["kv_slots"] >= 105  # the slot cache stays allocated while awake...
     assert engine.stats()["kv_cache_gib"] > 0
+    assert engine.stats()["fused_projections_gib"] > 0  # the concatenated q/k/v and gate/up copies
     engine.sleep()
     assert engine.stats()["kv_slots"] == 0 and engine.stats()["kv_cache_gib"] == 0  # ...and sleep frees it
+    assert engine.stats()["fused_projections_gib"] == 0 and engine._batch.fused.layers == []  # the copies too
     engine.wake_up()
+    assert engine.stats()["fused_projections_gib"] > 0
     rebuilt = engine.stats()["busy_cache_alloc_s"]
     caplog.clear()  # the first allocation above may have been logged (at INFO, once)
     with caplog.at_level(logging.INFO, logger="agentrl.rollout.engines._slot_batch"):

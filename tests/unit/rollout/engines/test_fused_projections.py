@@ -141,3 +141,24 @@ def test_layers_the_copies_cannot_serve_keep_their_modules():
     attn = model.model.layers[0].self_attn
     attn.q_proj = torch.nn.Linear(attn.q_proj.in_features, attn.q_proj.out_features, bias=True)
     assert "layer 0" in unfusable_reason(model.model.layers)
+
+
+def test_the_engines_fingerprint_refuses_copies_that_differ_from_the_weights():
+    """A weight written in place behind the engine's back reaches the modules (and so the fingerprint a weight
+    sync compares) but not the copies the steps multiply by: the fingerprint check raises, naming the layer,
+    until `mark_weights_updated` refreshes them."""
+    from agentrl.models import load_causal_lm, load_tokenizer
+    from agentrl.rollout.engines.embedded import EmbeddedEngine
+
+    model = load_causal_lm("tiny:qwen2-mini")
+    engine = EmbeddedEngine(model, load_tokenizer("tiny:qwen2-mini"), max_num_seqs=2, max_model_len=64)
+    try:
+        before = engine.weights_fingerprint()
+        with torch.no_grad():
+            model.model.layers[1].mlp.gate_proj.weight.add_(0.01)
+        with pytest.raises(RuntimeError, match=r"fused projection weights of layers \[1\]"):
+            engine.weights_fingerprint()
+        engine.mark_weights_updated()
+        assert engine.weights_fingerprint() != before
+    finally:
+        engine.close()
