@@ -9,10 +9,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from agentrl.rollout.engines._fused_projections import FusedProjections, unfusable_reason
 from agentrl.rollout.engines._slot_batch import SlotBatch
-from agentrl.rollout.engines._slot_decode import KVShape, decode_step, extend_step, prefill_slots
+from agentrl.rollout.engines._slot_decode import decode_step, extend_step, prefill_slots
 from tests._random_qwen2 import random_qwen2
+from tests.unit.rollout.engines.test_slot_steps import LENGTH, _cache, _reference
 
-SLOTS, LENGTH = 2, 32
 SMALL = {
     "vocab_size": 80,
     "hidden_size": 32,
@@ -33,17 +33,6 @@ def _model(family: str) -> torch.nn.Module:
     return Qwen3ForCausalLM(
         Qwen3Config(**SMALL, head_dim=8)
     ).eval()  # q_norm and k_norm after the projections
-
-
-def _cache(model):
-    shape = KVShape.of(model)
-    size = (SLOTS, shape.kv_heads, LENGTH, shape.head_dim)
-    return [torch.zeros(size) for _ in range(shape.layers)], [torch.zeros(size) for _ in range(shape.layers)]
-
-
-def _reference(model, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0]
 
 
 def _steps(model, rows: list[list[int]], fused) -> list[torch.Tensor]:
