@@ -187,10 +187,11 @@ _calls = itertools.count()
 
 @agent_flow
 async def every_second_task_slow(task, ctx):
-    """One model call, then a tool that takes 1 s for every second task of a batch (its two episodes are started
-    one after the other): each batch has a group that finishes early and one that finishes late."""
+    """One model call, then a tool that takes 2 s for every second task of a batch (its two episodes are started
+    one after the other): each batch has a group that finishes early and one that finishes late. (With 1 s, a CI
+    host busy with other work once began the first update after both had finished.)"""
     reply = await ctx.client.chat.completions.create(model=ctx.model, messages=list(task["prompt"]))
-    await asyncio.sleep(1.0 if (next(_calls) // 2) % 2 else 0.02)
+    await asyncio.sleep(2.0 if (next(_calls) // 2) % 2 else 0.02)
     return reply.choices[0].message.content or ""
 
 
@@ -218,7 +219,7 @@ def test_a_streamed_update_trains_the_groups_that_finished_while_the_rest_run(tm
     moved = [max(r["critic/advantages/max"], -r["critic/advantages/min"]) > 0 for r in history]
     assert any(moved) and all((r["actor/grad_norm"] > 0) == m for r, m in zip(history, moved, strict=True))
     assert all(r["batch/rows"] == 4 and r["async/staleness_max"] <= 1.0 for r in history)
-    # The first batch's early group trained while its late group waited on its tool (a second): half its rows.
+    # The first batch's early group trained while its late group waited on its tool (2 s): half its rows.
     # Later batches start a step ahead, so both of a batch's groups may be done when its step begins (0).
     shares = [r["async/streamed_share"] for r in history]
     assert shares[0] == 0.5 and set(shares) <= {0.0, 0.5}, shares
