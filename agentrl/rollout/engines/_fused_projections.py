@@ -18,7 +18,8 @@ cache's do.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -130,6 +131,9 @@ class FusedProjections:
             self._memory.restore()  # nothing to do unless released
         if not self.layers:
             self.layers = self._place()
+        self._on_device(self._copy)
+
+    def _copy(self) -> None:
         with torch.no_grad():
             for (attention, mlp), fused in zip(map(_sources, self._layers), self.layers, strict=True):
                 torch.cat([m.weight for m in attention], out=fused.qkv)
@@ -141,19 +145,29 @@ class FusedProjections:
         """Layers whose copies differ from their modules' weights now: none unless a weight was written without
         `refresh` after it (what the engine's fingerprint check looks for: the fingerprint reads the modules)."""
         stale: list[int] = []
-        if not self.layers:  # released: no copies to differ
-            return stale
-        with torch.no_grad():
-            for index, (layer, fused) in enumerate(zip(self._layers, self.layers, strict=True)):
-                attention, mlp = _sources(layer)
-                pairs = [(attention, "weight", fused.qkv), (mlp, "weight", fused.gate_up)]
-                if fused.qkv_bias is not None:
-                    pairs.append((attention, "bias", fused.qkv_bias))
-                if not all(
-                    torch.equal(torch.cat([getattr(m, name) for m in ms]), kept) for ms, name, kept in pairs
-                ):
-                    stale.append(index)
+
+        def compare() -> None:
+            with torch.no_grad():
+                for index, (layer, fused) in enumerate(zip(self._layers, self.layers, strict=True)):
+                    attention, mlp = _sources(layer)
+                    pairs = [(attention, "weight", fused.qkv), (mlp, "weight", fused.gate_up)]
+                    if fused.qkv_bias is not None:
+                        pairs.append((attention, "bias", fused.qkv_bias))
+                    if not all(
+                        torch.equal(torch.cat([getattr(m, n) for m in ms]), kept) for ms, n, kept in pairs
+                    ):
+                        stale.append(index)
+
+        if self.layers:  # else released: no copies to differ
+            self._on_device(compare)
         return stale
+
+    def _on_device(self, work: Callable[[], None]) -> None:
+        """`work` on the copies; on the CPU in a thread that ends with it (`in_passing_thread`)."""
+        if self.device.type == "cpu":
+            in_passing_thread(work)
+        else:
+            work()
 
     def release(self) -> None:
         """Give the copies' memory back while the engine sleeps; `refresh` brings them back. Stable memory keeps
@@ -179,6 +193,30 @@ class FusedProjections:
             widths = tuple(m.out_features for m in attention)
             layers.append(LayerFused(qkv, bias[0] if bias else None, gate_up, widths))
         return layers
+
+
+def in_passing_thread(work: Callable[[], None]) -> None:
+    """Run `work` (torch operations on the CPU) in a thread that ends with it, and re-raise what it raised.
+
+    PyTorch's CPU operations run on OpenMP (libgomp), which gives every thread that starts a parallel operation a
+    team of worker threads for as long as that thread lives. One team left in the thread that built the engine
+    (the fused copies' first copy, ~2 MB) made more OpenMP threads than cores on a 2-core host, and libgomp then
+    lets its waiting threads sleep almost at once: every one of the engine thread's small parallel operations paid
+    for waking its worker. `agentrl serve` answered 0.60x vLLM's requests/s where it had answered 0.9x, its decode
+    steps twice as long (docs/benchmarks.md). A thread that ends takes its team with it."""
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as failure:  # noqa: BLE001 (re-raised in the caller's thread)
+            failures.append(failure)
+
+    thread = threading.Thread(target=run, name="agentrl-cpu-copy")
+    thread.start()
+    thread.join()
+    if failures:
+        raise failures[0]
 
 
 def _sources(layer: torch.nn.Module) -> tuple[tuple[torch.nn.Linear, ...], tuple[torch.nn.Linear, ...]]:

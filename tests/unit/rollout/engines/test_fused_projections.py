@@ -151,3 +151,32 @@ def test_the_engines_fingerprint_refuses_copies_that_differ_from_the_weights():
         assert engine.weights_fingerprint() != before
     finally:
         engine.close()
+
+
+def test_copying_on_the_cpu_leaves_no_openmp_team_in_the_callers_thread():
+    """libgomp keeps a team of worker threads for every thread that starts a parallel operation, for that thread's
+    life; one left in the thread that built the engine made the engine thread's decode steps twice as long on a
+    2-core host (`in_passing_thread`). In a fresh process (no team yet): building the copies and checking them
+    adds no OS thread to the process, where one parallel operation in the same thread does."""
+    import subprocess
+    import sys
+
+    script = """
+import os, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from agentrl.rollout.engines._fused_projections import FusedProjections
+torch.set_num_threads(2)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+threads = lambda: len(os.listdir("/proc/self/task"))
+before = threads()
+fused = FusedProjections(model.model.layers, stable=False)
+assert fused.stale_layers() == []
+built = threads()
+torch.ones(4_000_000).add_(1)  # a parallel operation in this thread: its team stays
+print(before, built, threads())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    before, built, after = map(int, out)
+    assert built == before, (before, built)
+    assert after > built, "no team appeared for a parallel operation: this host runs one OpenMP thread"
