@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import math
 import random
@@ -182,16 +181,18 @@ def test_bypass_mode_clips_stale_batches_against_the_engines_log_probs(tmp_path:
     )
 
 
-_calls = itertools.count()
+_slow_prompts: set[str] = set()
+"""The prompts of the tasks `every_second_task_slow` waits on (the second of each batch: set by the test)."""
 
 
 @agent_flow
 async def every_second_task_slow(task, ctx):
-    """One model call, then a tool that takes 2 s for every second task of a batch (its two episodes are started
-    one after the other): each batch has a group that finishes early and one that finishes late. (With 1 s, a CI
-    host busy with other work once began the first update after both had finished.)"""
+    """One model call, then a tool that takes 1 s for the second task of every batch (`_slow_prompts`): each batch
+    has a group that finishes early and one that finishes late. Chosen by task, not by the order of the calls: the
+    replies of a batch come back in any order, and a run ahead starts the next batch's calls, so a counter of calls
+    once slowed one episode of each group and no group finished early."""
     reply = await ctx.client.chat.completions.create(model=ctx.model, messages=list(task["prompt"]))
-    await asyncio.sleep(2.0 if (next(_calls) // 2) % 2 else 0.02)
+    await asyncio.sleep(1.0 if task["prompt"][-1]["content"] in _slow_prompts else 0.02)
     return reply.choices[0].message.content or ""
 
 
@@ -201,6 +202,8 @@ def test_a_streamed_update_trains_the_groups_that_finished_while_the_rest_run(tm
     still waits on its tool; the step's one optimizer step follows the late group. On two FSDP ranks every chunk
     is split between them, each with as many micro-batches, and the gradients divided by both ranks' total."""
     backend = ["trainer.backend=ray", f"trainer.n_gpus_per_node={ranks}"] if ranks else []
+    _slow_prompts.clear()
+    _slow_prompts.update(row["prompt"][-1]["content"] for row in rows[1::2])  # batches of 2 tasks, in order
     history = _train(
         tmp_path / "run",
         rows,
@@ -219,7 +222,7 @@ def test_a_streamed_update_trains_the_groups_that_finished_while_the_rest_run(tm
     moved = [max(r["critic/advantages/max"], -r["critic/advantages/min"]) > 0 for r in history]
     assert any(moved) and all((r["actor/grad_norm"] > 0) == m for r, m in zip(history, moved, strict=True))
     assert all(r["batch/rows"] == 4 and r["async/staleness_max"] <= 1.0 for r in history)
-    # The first batch's early group trained while its late group waited on its tool (2 s): half its rows.
+    # The first batch's early group trained while its late group waited on its tool (1 s): half its rows.
     # Later batches start a step ahead, so both of a batch's groups may be done when its step begins (0).
     shares = [r["async/streamed_share"] for r in history]
     assert shares[0] == 0.5 and set(shares) <= {0.0, 0.5}, shares
