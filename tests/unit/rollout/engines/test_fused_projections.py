@@ -5,9 +5,10 @@ their modules."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from agentrl.rollout.engines._fused_projections import FusedProjections, unfusable_reason
+from agentrl.rollout.engines._fused_projections import FusedProjections, split_inner_linear, unfusable_reason
 from agentrl.rollout.engines._slot_batch import SlotBatch
 from agentrl.rollout.engines._slot_decode import decode_step, extend_step, prefill_slots
 from tests._random_qwen2 import random_qwen2
@@ -53,19 +54,35 @@ def _steps(model, rows: list[list[int]], fused) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("down_splits", [1, 2])
 @pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
-def test_steps_over_the_fused_weights_give_a_plain_forwards_logits(family):
+def test_steps_over_the_fused_weights_give_a_plain_forwards_logits(family, down_splits):
+    """With `down_splits` 2 the down projection runs as two products over halves of its inputs (what CUDA takes;
+    forced here on the CPU, where `down_splits_for` keeps one)."""
     model = _model(family)
     assert unfusable_reason(model.model.layers) is None
     fused = FusedProjections(model.model.layers, stable=False)
     assert (fused.layers[0].qkv_bias is None) == (family != "qwen2")
+    assert {layer.down_splits for layer in fused.layers} == {1}
+    layers = [layer._replace(down_splits=down_splits) for layer in fused.layers]
     rows = [torch.randint(0, 80, (20,)).tolist() for _ in range(2)]
-    steps = _steps(model, rows, fused.layers)
+    steps = _steps(model, rows, layers)
     for i, row in enumerate(rows):
         reference = _reference(model, row)
         expected = [reference[10], reference[14], *reference[15:19]]  # prefill, extend, four decodes
         for got, want in zip(steps, expected, strict=True):
             torch.testing.assert_close(got[i], want, atol=1e-5, rtol=0)
+
+
+def test_a_product_split_over_its_inputs_equals_the_one_product():
+    torch.manual_seed(0)
+    x, weight = torch.randn(3, 5, 64, dtype=torch.float64), torch.randn(24, 64, dtype=torch.float64)
+    for splits in (2, 4):
+        torch.testing.assert_close(split_inner_linear(x, weight, splits), F.linear(x, weight))
+    x, weight = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+    exact = F.linear(x.double(), weight.double())
+    one, split = F.linear(x, weight).double(), split_inner_linear(x, weight, 2).double()
+    assert split.dtype == one.dtype and (split - exact).abs().max() <= 2 * (one - exact).abs().max()
 
 
 def test_the_copies_follow_the_weights_only_when_refreshed():
