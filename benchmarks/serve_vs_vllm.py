@@ -9,7 +9,10 @@ Both servers stay up; each first answers `--warmup-prompts` requests (not measur
 the embedded engine on CPU does not), then they take turns for `--rounds` client runs, so a slow spell of a
 shared host falls on both. Prints request throughput, output tokens/s, mean time to first token and mean
 end-to-end latency of every run and their medians, the ratios agentrl / vLLM of the medians, and the
-requests/s ratio round by round.
+requests/s ratio round by round; then each server's own view of the same requests from its `GET /metrics`
+(vLLM's request histograms, which the embedded engine keeps too): the time to first token from the request's
+arrival at the engine, its wait and prefill, and what the client's time to first token adds on top (the HTTP
+exchange, the server's request handling, the client's own work).
 
     .venv/bin/python benchmarks/serve_vs_vllm.py --model tiny:qwen2 --prompts 128 --concurrency 32
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -48,6 +52,35 @@ METRICS = (
     ("mean TTFT ms", "mean_ttft_ms", ".1f"),
     ("mean latency ms", "mean_e2el_ms", ".1f"),
 )
+SERVER_PHASES = (
+    ("server TTFT ms", "time_to_first_token", "vllm:time_to_first_token_seconds"),
+    ("its wait ms", "queue", "vllm:request_queue_time_seconds"),
+    ("its prefill ms", "prefill", "vllm:request_prefill_time_seconds"),
+    ("server latency ms", "e2e", "vllm:e2e_request_latency_seconds"),
+)
+"""(column, phase, vLLM's histogram): each server's own timing of its requests, from `GET /metrics`."""
+
+
+def server_totals(metrics_url: str) -> dict[tuple[str, str], float]:
+    """Each `SERVER_PHASES` histogram's sum and count, (phase, "sum" | "count") -> value, summed over labels."""
+    totals: dict[tuple[str, str], float] = {}
+    for line in httpx.get(metrics_url, timeout=30).text.splitlines():
+        for _, phase, name in SERVER_PHASES:
+            for part in ("sum", "count"):
+                if line.startswith(f"{name}_{part}{{"):
+                    key = (phase, part)
+                    totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def server_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean milliseconds of each phase over the requests finished between two `server_totals`."""
+    means = {}
+    for _, phase, _ in SERVER_PHASES:
+        count = after.get((phase, "count"), 0.0) - before.get((phase, "count"), 0.0)
+        total = after.get((phase, "sum"), 0.0) - before.get((phase, "sum"), 0.0)
+        means[f"server_{phase}_ms"] = 1000 * total / count if count else float("nan")
+    return means
 
 
 def _free_port() -> int:
@@ -97,7 +130,7 @@ def run_client(
 @contextmanager
 def agentrl_server(args: argparse.Namespace, out: Path) -> Iterator[str]:
     """`agentrl serve` on a free port until the block ends; yields the OpenAI base URL of one session (the whole
-    benchmark runs in it, as `agentrl serve`'s banner shows)."""
+    benchmark runs in it, as `agentrl serve`'s banner shows) and its server's `/metrics` URL (from the banner)."""
     port = _free_port()
     serve = subprocess.Popen(
         [
@@ -106,15 +139,25 @@ def agentrl_server(args: argparse.Namespace, out: Path) -> Iterator[str]:
             "--max-num-seqs", str(args.concurrency),
             "--log-dir", str(out / "serve_logs"),
         ],
-        stdout=subprocess.DEVNULL, stderr=open(out / "serve.log", "w"),
+        stdout=open(out / "serve.out", "w"), stderr=open(out / "serve.log", "w"),
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, serve, timeout=300)
-        yield f"{url}/sessions/bench"
+        yield f"{url}/sessions/bench", _banner_metrics_url(out / "serve.out")
     finally:
         serve.terminate()
         serve.wait(timeout=60)
+
+
+def _banner_metrics_url(banner: Path, timeout: float = 30.0) -> str:
+    """The first server's `/metrics` URL in `agentrl serve`'s banner (printed just after the gateway answers)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if found := re.search(r"GET (http://\S+/metrics)", banner.read_text()):
+            return found.group(1)
+        time.sleep(0.1)
+    sys.exit(f"agentrl serve printed no metrics URL within {timeout:.0f} s:\n{banner.read_text()[-2000:]}")
 
 
 def median_result(results: list[dict]) -> dict:
@@ -152,8 +195,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as servers:
         out = Path(tmp)
         urls: dict[str, str] = {}
+        metrics_urls: dict[str, str] = {}
         if "agentrl" in args.targets:
-            urls["agentrl"] = servers.enter_context(agentrl_server(args, out))
+            urls["agentrl"], metrics_urls["agentrl"] = servers.enter_context(agentrl_server(args, out))
         if "vllm" in args.targets:
             started = servers.enter_context(
                 launch_vllm_servers(
@@ -163,6 +207,7 @@ def main() -> None:
                 )
             )  # fmt: skip
             urls["vllm"] = started[0].url
+            metrics_urls["vllm"] = f"{started[0].url}/metrics"
         for name, url in urls.items():
             if args.warmup_prompts:
                 run_client(args, url, folder, out, f"{name}-warmup", args.warmup_prompts)
@@ -170,9 +215,10 @@ def main() -> None:
         # shared host falls on both instead of on whichever ran then.
         for round_ in range(args.rounds):
             for name, url in urls.items():
-                runs.setdefault(name, []).append(
-                    run_client(args, url, folder, out, f"{name}-{round_}", args.prompts)
-                )
+                before = server_totals(metrics_urls[name])
+                result = run_client(args, url, folder, out, f"{name}-{round_}", args.prompts)
+                result.update(server_means(before, server_totals(metrics_urls[name])))
+                runs.setdefault(name, []).append(result)
     print(
         f"{args.model}: {args.prompts} requests, {args.concurrency} in flight, {args.prefixes} prefixes x "
         f"{args.prefix_len} tokens + {args.suffix_len} fresh, {args.output_len} tokens out (streamed); "
@@ -195,9 +241,30 @@ def main() -> None:
             for a, b in zip(runs["agentrl"], runs["vllm"], strict=True)
         ]
         print(f"agentrl / vLLM (medians): {ratio}; requests/s round by round: {per_round}")
+    server_side = {
+        name: {
+            key: statistics.median(r[key] for r in results)
+            for key in ["mean_ttft_ms", *(f"server_{phase}_ms" for _, phase, _ in SERVER_PHASES)]
+        }
+        for name, results in runs.items()
+    }
+    print("\nEach server's own timing (`GET /metrics`, medians of the rounds' means):")
+    print(
+        "| server | "
+        + " | ".join(title for title, _, _ in SERVER_PHASES)
+        + " | client TTFT - server TTFT ms |"
+    )
+    print("| --- |" + " ---: |" * (len(SERVER_PHASES) + 1))
+    for name, side in server_side.items():
+        values = " | ".join(f"{side[f'server_{phase}_ms']:.1f}" for _, phase, _ in SERVER_PHASES)
+        print(f"| {name} | {values} | {side['mean_ttft_ms'] - side['server_time_to_first_token_ms']:.1f} |")
     print(
         json.dumps(
-            {"medians": medians, "runs": {n: [median_result([r]) for r in rs] for n, rs in runs.items()}}
+            {
+                "medians": medians,
+                "runs": {n: [median_result([r]) for r in rs] for n, rs in runs.items()},
+                "server_side": server_side,
+            }
         )
     )
 

@@ -249,10 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         base = gateway.url
+        metrics = "  ".join(f"GET {getattr(server, 'url', server)}/metrics" for server in servers)
         print(
             f"agentrl serve: {args.servers} {args.engine} server(s) for {name} behind the gateway at {base}\n"
             f"  OpenAI base URL of session <id>:  {base}/sessions/<id>/v1   (model={name!r}; any id opens a session)\n"
             f"  traces of session <id>:           GET {base}/sessions/<id>/traces   (an admin route)\n"
+            f"  metrics of each server:           {metrics}   (Prometheus, vLLM's names)\n"
             f"  admin token file (mode 0600):     {token_file}   (send 'Authorization: Bearer <its text>')\n"
             f"  health:                           GET {base}/health\n"
             f"  Ctrl-C stops everything.",

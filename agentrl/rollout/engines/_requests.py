@@ -59,6 +59,12 @@ class Request:
     looks the prompt up in the prefix cache to budget a step's prefill, and again to admit it."""
     computed_in_parts: int = 0
     """Prompt tokens computed in earlier engine steps while rows decoded (chunked prefill), not cache hits."""
+    admitted_at: float | None = None
+    """When its prefill began (its first part's, for a prompt computed in parts); `time.monotonic()`."""
+    first_token_at: float | None = None
+    """When its first token was recorded."""
+    finished_sequences: int = 0
+    """Its completions that have finished: at `params.n` its latencies are counted (`_latency.py`)."""
 
 
 @dataclass

@@ -42,6 +42,7 @@ import torch
 
 from agentrl.data.images import load_image_processor
 from agentrl.rollout.engines._batch import DynamicBatch
+from agentrl.rollout.engines._latency import RequestLatencies
 from agentrl.rollout.engines._parked_weights import ParkedWeights
 from agentrl.rollout.engines._prefix_cache import BLOCK_TOKENS, block_hashes
 from agentrl.rollout.engines._requests import Detokenizer, Request, Sequence, StreamEvent, build_sequences
@@ -188,6 +189,8 @@ class EmbeddedEngine:
         """Cumulative scheduler time: prefill and decode forwards with sampling (until the ids reach the host),
         and the per-row Python work around them (settings, stop checks, events)."""
         self._recent: deque[tuple[float, int]] = deque()
+        self._latencies = RequestLatencies()
+        """Finished requests' time to first token and phases, for `GET /metrics` (`_latency.py`)."""
         self._grammars: GrammarCompiler | None = None
         self._in_flight: list[tuple[list[Sequence], DeviceDraw, str]] = []
         """Draws launched on the device and not read yet, oldest first, with the phase (`_busy_s` key) that
@@ -457,6 +460,7 @@ class EmbeddedEngine:
             self._batch.cached_tokens(prompt, request.prompt_hashes) + self.prefill_chunk_tokens,
         )
         reserve = len(prompt) + request.max_new_tokens
+        request.admitted_at = request.admitted_at or time.monotonic()
         request.computed_in_parts += self._batch.prefill_part(prompt[:end], reserve)
 
     def _can_draw_on_device(self, admitted: list[tuple[Request, list[Sequence]]]) -> bool:
@@ -547,6 +551,9 @@ class EmbeddedEngine:
     def _prefill(self, admitted: list[tuple[Request, list[Sequence]]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Admit the requests' prompts to the batch; their rows' first logits and the rows."""
         self._prefills += 1
+        now = time.monotonic()
+        for request, _ in admitted:
+            request.admitted_at = request.admitted_at or now
         images = [request.images for request, _ in admitted]
         parts = [request.computed_in_parts for request, _ in admitted]
         logits = self._batch.admit(
@@ -599,17 +606,26 @@ class EmbeddedEngine:
     ) -> None:
         """Append each row's drawn token, check stops, and deliver events."""
         events: dict[int, tuple[Request, list[StreamEvent]]] = {}
+        now = time.monotonic()
         for i, seq in enumerate(rows):
+            request = seq.request
+            if request.first_token_at is None:
+                request.first_token_at = now
             seq.token_ids.append(token_ids[i])
             seq.logprobs.append(logprobs[i])
             if top_logprobs is not None and top_logprobs[i] is not None:
                 seq.top_logprobs.append(top_logprobs[i])
             at_limit = len(seq.request.prompt_ids) + len(seq.token_ids) >= self.max_model_len
             self._detok.check_finished(seq, at_limit)
+            if seq.finish_reason:
+                request.finished_sequences += 1
+                if request.finished_sequences == request.params.n:
+                    self._latencies.finished(
+                        request.arrived, request.admitted_at or now, request.first_token_at, now
+                    )
             if seq.finish_reason or seq.request.stream:
                 events.setdefault(id(seq.request), (seq.request, []))[1].append(self._detok.take_event(seq))
         self._deliver_all(list(events.values()))
-        now = time.monotonic()
         self._tokens_generated += len(rows)
         self._recent.append((now, len(rows)))
         while self._recent and self._recent[0][0] < now - 10.0:
@@ -867,6 +883,7 @@ class EmbeddedEngine:
             "enable_prefix_caching": self.enable_prefix_caching,
             "enable_chunked_prefill": self.chunked_prefill,
             "max_num_batched_tokens": self.prefill_chunk_tokens,
+            "request_latency_seconds": self._latencies.snapshot(),
         }
 
     def _cache_stats(self) -> dict[str, Any]:

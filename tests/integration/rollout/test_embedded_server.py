@@ -141,6 +141,47 @@ def test_streaming_completions(server):
     assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
 
 
+def _latency_samples(url: str) -> dict[str, float]:
+    """`GET /metrics`'s latency histogram samples, by name with labels."""
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("vllm:") and "_seconds" in line
+    }
+
+
+def test_metrics_count_each_finished_requests_latencies_in_vllms_histograms(server):
+    """Three requests (one of two completions, one streamed, one chat) each counted once in every phase's
+    histogram, whose phases add up: wait + prefill = time to first token, + decode = the whole latency."""
+    client = _client(server)
+    before = _latency_samples(server.url)
+    client.completions.create(model="tiny", prompt="Count", max_tokens=6, n=2)
+    list(client.completions.create(model="tiny", prompt="Count", max_tokens=6, stream=True))
+    client.chat.completions.create(model="tiny", messages=USER, max_tokens=4)
+    after = _latency_samples(server.url)
+    label = 'model_name="tiny"'
+
+    def added(name: str, part: str) -> float:
+        key = f"{name}_{part}{{{label}}}"
+        return after[key] - before[key]
+
+    names = [
+        "vllm:time_to_first_token_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:e2e_request_latency_seconds",
+    ]
+    for name in names:
+        assert added(name, "count") == 3
+        buckets = [value for key, value in after.items() if key.startswith(f"{name}_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == after[f"{name}_count{{{label}}}"]
+    ttft, queue, prefill, decode, e2e = (added(name, "sum") for name in names)
+    assert 0 < ttft < e2e and queue >= 0 and prefill > 0 and decode > 0
+    assert abs(queue + prefill - ttft) < 1e-6 and abs(ttft + decode - e2e) < 1e-6
+
+
 def test_a_client_that_leaves_a_stream_frees_its_engine_row(model, tokenizer):
     """A streamed answer whose client goes away after its first chunk stops generating: its row leaves the engine
     long before the 1,900 tokens it asked for (one lost client costs one row, not the engine's time)."""

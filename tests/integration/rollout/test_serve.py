@@ -73,6 +73,9 @@ def test_serve_embedded_two_servers(tmp_path: Path) -> None:
         assert f"{base}/sessions/<id>/v1" in usage and f"GET {base}/sessions/<id>/traces" in usage
         assert token_file.parent == tmp_path and stat.S_IMODE(token_file.stat().st_mode) == 0o600
         assert token_file.read_text() not in usage  # the path is printed, never the token
+        metrics = re.findall(r"GET (http://\S+/metrics)", usage)
+        assert len(metrics) == 2 and base not in metrics[0]  # each server's own, not the gateway's
+        assert "vllm:time_to_first_token_seconds_count" in httpx.get(metrics[0]).text
         health = httpx.get(f"{base}/health").json()
         assert health["status"] == "ok" and len(health["servers"]) == 2
         r = httpx.post(
