@@ -70,7 +70,8 @@ def mlp_output(mlp: torch.nn.Module, x: torch.Tensor, fused: LayerFused | None) 
 
 def split_inner_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
     """`F.linear(x, weight)` (no bias) as `splits` products over consecutive parts of the inner dimension, one
-    batched multiply over views (no copy), summed in float32 and rounded once, as the one product is.
+    batched multiply over views (no copy); each part comes out in `x`'s dtype and they are summed in float32 (in
+    bfloat16 the result is 1-2 rounding steps from the one product's, which rounds once).
 
     The down projection has few outputs (the hidden size) and a long inner dimension (the MLP's): for a prefill of
     a few hundred tokens cuBLAS tiles its output into about one tile per streaming multiprocessor and walks 4,864

@@ -3,8 +3,9 @@ names and bucket bounds (`GET /metrics`: `vllm:time_to_first_token_seconds` and 
 a dashboard built for vLLM shows the embedded engine's latencies as it shows vLLM's.
 
 The phases are measured inside the engine, from the request's arrival at the engine (after the server has read
-and tokenized it) to the event that hands its tokens back: a client's time to first token also holds its HTTP
-exchange, which these leave out, as vLLM's do (its arrival is its API server's receipt of the request).
+and tokenized it) to the event that hands its tokens back. vLLM starts its clock earlier, when its API server
+receives the request (its tokenizing included); neither counts the HTTP exchange a client's time to first token
+also holds.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from agentrl.rollout.app import build_server_app
 from agentrl.rollout.chat import render_chat
 from agentrl.rollout.engines.embedded import EmbeddedEngine, fingerprint_state_dict
 from agentrl.rollout.uvicorn_thread import start_server_in_thread
+from tests._prometheus import prometheus_samples
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny:qwen2-mini"
@@ -143,12 +144,8 @@ def test_streaming_completions(server):
 
 def _latency_samples(url: str) -> dict[str, float]:
     """`GET /metrics`'s latency histogram samples, by name with labels."""
-    lines = httpx.get(url + "/metrics").text.splitlines()
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in lines
-        if line.startswith("vllm:") and "_seconds" in line
-    }
+    samples = prometheus_samples(httpx.get(url + "/metrics").text)
+    return {name: value for name, value in samples.items() if "_seconds" in name}
 
 
 def test_metrics_count_each_finished_requests_latencies_in_vllms_histograms(server):

@@ -3,14 +3,7 @@
 
 from agentrl.rollout.engines._latency import LATENCY_METRICS, TIME_TO_FIRST_TOKEN_BUCKETS, RequestLatencies
 from agentrl.rollout.prometheus import render_prometheus
-
-
-def _samples(text: str) -> dict[str, float]:
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
+from tests._prometheus import prometheus_samples as _samples
 
 
 def test_latencies_fall_in_vllms_buckets_and_render_as_prometheus_histograms():
