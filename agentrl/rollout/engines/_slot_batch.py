@@ -51,7 +51,7 @@ from agentrl.rollout.engines._flash_extend import (
     packed_rows,
 )
 from agentrl.rollout.engines._fused_projections import FusedProjections, LayerFused
-from agentrl.rollout.engines._prefix_cache import PrefixCache, PrefixMatch, shared_prefixes
+from agentrl.rollout.engines._prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixMatch, shared_prefixes
 from agentrl.rollout.engines._sampling import as_int64, policy_logprob, sample_on_device
 from agentrl.rollout.engines._slot_decode import (
     DecodeRegions,
@@ -71,6 +71,7 @@ from agentrl.rollout.engines._slot_decode import (
 from agentrl.rollout.engines._stable_memory import StableMemory, stable_memory
 from agentrl.rollout.engines._staging import PinnedStaging
 from agentrl.rollout.engines.flash_attention import FlashRows, flash_cache_attention_supported
+from agentrl.rollout.engines.shared_prefix_attention import SharedPrefix, plan_shared_prefix
 from agentrl.rollout.engines.vision import (
     ImageInputs,
     ImagePrefill,
@@ -372,6 +373,14 @@ class SlotBatch:
         self._free = list(range(max_slots))
         self._row_slots: list[int] = []
         self._row_positions: list[int] = []
+        self._row_prefixes: list[tuple[int, ...]] = []
+        """Each row's prompt as `block_hashes` (empty when unknown): which rows share a prefix."""
+        self._shares_prefixes = self.device.type == "cpu" and self.shape.dtype == torch.float32
+        """Decode steps read a prefix rows share once (`shared_prefix_attention`): the float32 CPU step, which
+        attends with matrix products (`decode_attention`) and is bound by reading the cache."""
+        self._shared: tuple[tuple[int, ...], SharedPrefix | None] | None = None
+        """The last decode step's bucket and slots and how its rows shared a prefix; None once rows come or go
+        (a new row may take a finished row's slot)."""
         self._token_ids = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self._positions = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         # Per-slot state of `decode_sampled` (written by `load_rows`); positions of free slots stay 0.
@@ -535,6 +544,9 @@ class SlotBatch:
         self._copy_prefixes(copies_after)
         self._row_slots += row_slots
         self._row_positions += [len(prompts[i]) for i in range(len(prompts)) for _ in range(copies[i])]
+        known = hashes if hashes is not None and not self.images else [None] * len(prompts)
+        self._row_prefixes += [tuple(known[i] or ()) for i in range(len(prompts)) for _ in range(copies[i])]
+        self._shared = None
         self._set_slots(row_slots, self._active, [1] * len(row_slots))
         if self.images is not None:
             owners = [plan.same_as.get(i, i) for i in range(len(prompts)) for _ in range(copies[i])]
@@ -889,6 +901,8 @@ class SlotBatch:
             self._set_slots(idle, self._positions, [self.sink] * len(idle))
         self._row_slots = [self._row_slots[i] for i in rows]
         self._row_positions = [self._row_positions[i] for i in rows]
+        self._row_prefixes = [self._row_prefixes[i] for i in rows]
+        self._shared = None
 
     def forget_prefixes(self, keep: int = 0) -> None:
         """The weights changed: no prefix parked more than `keep` weight changes ago may be read again."""
@@ -943,7 +957,8 @@ class SlotBatch:
         self._memory.release()
 
     def _drop_rows(self) -> None:
-        self._row_slots, self._row_positions = [], []
+        self._row_slots, self._row_positions, self._row_prefixes = [], [], []
+        self._shared = None
         self._free = list(range(self.max_slots))
         self.prefixes.clear()
         self._image_keys.clear()
@@ -1144,7 +1159,19 @@ class SlotBatch:
             offsets,
             self._span(),
             fused=self._fused_layers(),
+            **({"shared": shared} if (shared := self._shared_prefix(bucket)) is not None else {}),
         )
+
+    def _shared_prefix(self, bucket: int) -> SharedPrefix | None:
+        """How this step's rows share a prompt prefix (`plan_shared_prefix`), planned when the rows or their
+        slots change; None off the float32 CPU step."""
+        if not self._shares_prefixes:
+            return None
+        key = (bucket, *self._row_slots)
+        if self._shared is None or self._shared[0] != key:
+            plan = plan_shared_prefix(self._row_slots, self._row_prefixes, bucket, BLOCK_TOKENS, self.device)
+            self._shared = (key, plan)
+        return self._shared[1]
 
     def _span(self) -> int:
         """Cache positions a decode step must read: past every running row's next position (a multiple of

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrl.rollout.engines._fused_projections import LayerFused, mlp_output, project_qkv
+from agentrl.rollout.engines.shared_prefix_attention import SharedPrefix, SharedPrefixMask
 
 MROPE_ARCHITECTURES = (
     "Qwen2VLForConditionalGeneration",
@@ -245,6 +246,7 @@ def decode_step(
     span: int | None = None,
     regions: DecodeRegions | None = None,
     fused: list[LayerFused] | None = None,
+    shared: SharedPrefix | None = None,
 ) -> torch.Tensor:
     """Feed token_ids[i] at positions[i] of slot i (i < b); write its keys and values; return logits (b, V).
 
@@ -253,10 +255,13 @@ def decode_step(
     offset after its images; broadcast to the three mrope components). `span`: attention reads only cache
     positions 0..span-1, which must hold every running row's position (idle slots write past it, unread).
     `regions`: the functions that run its parts (default: the plain ones). `fused`: `FusedProjections.layers`.
+    `shared`: how the slots share a prompt prefix (`plan_shared_prefix`; the plain regions' float32 CPU step).
     """
     regions = regions or PLAIN_REGIONS
     length = keys[0].shape[2] if span is None else span
     hidden, x, cos, sin, visible = regions.inputs(model, token_ids, positions, rope_offsets, length)
+    if shared is not None:
+        visible = SharedPrefixMask(visible, shared)
     x = through_layers(model, regions, keys, values, hidden, x, cos, sin, positions, visible, fused=fused)
     return model.lm_head(x)[:, 0]
 
@@ -353,7 +358,11 @@ def cache_attention(
     slot_ids: torch.Tensor | None,
 ) -> torch.Tensor:
     """`slot_layer`'s part that touches the cache: write the rows' keys and values at their positions, attend
-    over the first `visible.shape[-1]` positions of their slots; the attention's output (R, W, heads x D)."""
+    over the first `visible.shape[-1]` positions of their slots; the attention's output (R, W, heads x D).
+    A decode step's `visible` may be a `SharedPrefixMask`: the rows' shared prompt prefix is read once a group."""
+    shared = None
+    if isinstance(visible, SharedPrefixMask):
+        visible, shared = visible
     rows, width, head_dim, length = q.shape[0], q.shape[2], q.shape[3], visible.shape[-1]
     if slot_ids is None:
         slots = torch.arange(rows, device=q.device)
@@ -368,8 +377,11 @@ def cache_attention(
         cached_values = values[:, :, :length].index_select(0, slot_ids)
     # Grouped-query attention without repeating keys: a kv head's query heads act as its query rows.
     grouped = q.reshape(rows, keys.shape[1], -1, head_dim)
-    attend = decode_attention if slot_ids is None else F.scaled_dot_product_attention
-    out = attend(grouped, cached_keys, cached_values, attn_mask=visible, scale=scale)
+    if shared is not None:
+        out = shared.attend(grouped, keys, values, visible, scale)
+    else:
+        attend = decode_attention if slot_ids is None else F.scaled_dot_product_attention
+        out = attend(grouped, cached_keys, cached_values, attn_mask=visible, scale=scale)
     return out.reshape(rows, -1, width, head_dim).transpose(1, 2).reshape(rows, width, -1)
 
 

@@ -1,0 +1,149 @@
+"""Decode attention that reads a prompt prefix shared by several rows once (the CPU's float32 decode step).
+
+Rows whose prompts begin with the same tokens (a GRPO group's siblings, requests that share a system prompt or a
+few-shot preamble) hold the same keys and values for those tokens, each slot its own copy. A decode step on the
+CPU is bound by reading the cache: 32 rows over ~600 positions of which 512 are one of 4 prefixes read every
+copy. Here each group of rows attends over its leader's copy of the prefix as one block of query rows (the
+prefix is read once a group and stays in the CPU's caches), every row over its own positions past the prefix,
+and the two softmaxes are merged by their maxima and sums: cascade attention, as FlashInfer and vLLM call it.
+
+`benchmarks/shared_prefix_decode.py` times it against the plain step's attention, and the engine with and
+without it. The result is the same attention up to float32 rounding (the summation is split in two): a row reads
+its leader's keys for the prefix, computed from the same tokens at the same positions.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+MIN_SHARED_TOKENS = 64
+"""A shared prefix shorter than this is not worth the step's extra calls (~40 small ones a layer)."""
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """How a decode step's slots share their first `length` cache positions."""
+
+    length: int
+    members: torch.Tensor
+    """(groups, most members) long: the slots of each group, a shorter group padded with its first slot."""
+    leaders: torch.Tensor
+    """(groups,) long: the slot whose copy of the prefix its group reads."""
+    member_of_slot: torch.Tensor
+    """(slots of the step,) long: each slot's place in `members` flattened (a slot no row runs in: 0)."""
+
+    def attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Attention of `query` (slots, kv heads, query rows, D) over the first `mask.shape[-1]` positions of
+        `keys`/`values` (every slot of the layer's cache), with the additive `mask` (slots, 1, 1, positions)."""
+        slots, kv_heads, rows, head_dim = query.shape
+        groups, most = self.members.shape
+        length, reach = self.length, mask.shape[-1]
+        grouped = (
+            query.index_select(0, self.members.view(-1))
+            .view(groups, most, kv_heads, rows, head_dim)
+            .transpose(1, 2)
+            .reshape(groups, kv_heads, most * rows, head_dim)
+        )
+        prefix_keys = keys[:, :, :length].index_select(0, self.leaders)
+        prefix_values = values[:, :, :length].index_select(0, self.leaders)
+        scores = torch.matmul(grouped, prefix_keys.transpose(-1, -2)).mul_(scale)
+        shared = torch.cat(_partial_softmax(scores, prefix_values), dim=-1)
+        shared = (
+            shared.view(groups, kv_heads, most, rows, head_dim + 2)
+            .transpose(1, 2)
+            .reshape(groups * most, kv_heads, rows, head_dim + 2)
+            .index_select(0, self.member_of_slot)
+        )
+        out_shared, max_shared, sum_shared = shared.split([head_dim, 1, 1], dim=-1)
+        own_keys, own_values = keys[:slots, :, length:reach], values[:slots, :, length:reach]
+        scores = torch.matmul(query, own_keys.transpose(-1, -2)).mul_(scale).add_(mask[..., length:])
+        out_own, max_own, sum_own = _partial_softmax(scores, own_values)
+        top = torch.maximum(max_shared, max_own)
+        weight_shared, weight_own = (max_shared - top).exp_(), (max_own - top).exp_()
+        total = (sum_shared * weight_shared).add_(sum_own * weight_own)
+        return (out_shared * weight_shared).add_(out_own * weight_own).div_(total)
+
+
+class SharedPrefixMask(NamedTuple):
+    """What a decode step's layers read to know which positions each slot sees (`cache_attention`'s `visible`)
+    when its slots share a prefix: the additive mask and how they share."""
+
+    mask: torch.Tensor
+    prefix: SharedPrefix
+
+
+def _partial_softmax(
+    scores: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax-weighted `values` before the division, with the maximum and the sum it needs to be merged.
+    A row that sees no position here (an idle slot) gets zeros, not NaN: its maximum is clamped to a finite one."""
+    top = scores.amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(scores.dtype).min)
+    weights = scores.sub_(top).exp_()
+    return torch.matmul(weights, values), top, weights.sum(dim=-1, keepdim=True)
+
+
+def plan_shared_prefix(
+    slots: list[int],
+    prefixes: list[tuple[int, ...]],
+    step_slots: int,
+    block_tokens: int,
+    device: torch.device,
+) -> SharedPrefix | None:
+    """How the running rows in `slots` should share a prefix in a decode step over slots 0..`step_slots`-1, or
+    None when it would not pay. `prefixes[i]`: the chained block hashes of row i's prompt (`block_hashes`:
+    equal i-th hashes mean equal first i+1 blocks of `block_tokens` tokens; empty: unknown, which rules sharing
+    out while the row runs).
+
+    The prefix length is the one that saves the most positions read (length x (rows - groups)) among the
+    lengths every row's prompt reaches that are at least `MIN_SHARED_TOKENS` and leave groups of two rows on
+    average. Rows sorted by their hashes put each group's rows next to each other, so the groups at a length
+    are told apart by where neighbours' common prefixes end."""
+    rows = len(slots)
+    reach = min((len(p) for p in prefixes), default=0)
+    if rows < 2 or reach * block_tokens < MIN_SHARED_TOKENS:
+        return None
+    order = sorted(range(rows), key=lambda i: prefixes[i][:reach])
+    common = [_common_blocks(prefixes[a], prefixes[b], reach) for a, b in itertools.pairwise(order)]
+    # Fewer groups at a length only where a neighbours' common prefix ends: the best length is one of those ends.
+    worthwhile = [
+        (blocks * (rows - groups), blocks)
+        for blocks in {*common, reach}
+        if blocks * block_tokens >= MIN_SHARED_TOKENS
+        and 2 * (groups := 1 + sum(c < blocks for c in common)) <= rows
+    ]
+    if not worthwhile:
+        return None
+    _, best = max(worthwhile)
+    groups_of: dict[int, list[int]] = {}
+    for i in order:
+        groups_of.setdefault(prefixes[i][best - 1], []).append(slots[i])
+    most = max(len(members) for members in groups_of.values())
+    members = [group + [group[0]] * (most - len(group)) for group in groups_of.values()]
+    member_of_slot = [0] * step_slots
+    for g, group in enumerate(groups_of.values()):
+        for j, slot in enumerate(group):
+            member_of_slot[slot] = g * most + j
+    return SharedPrefix(
+        length=best * block_tokens,
+        members=torch.tensor(members, dtype=torch.long, device=device),
+        leaders=torch.tensor([group[0] for group in members], dtype=torch.long, device=device),
+        member_of_slot=torch.tensor(member_of_slot, dtype=torch.long, device=device),
+    )
+
+
+def _common_blocks(a: tuple[int, ...], b: tuple[int, ...], reach: int) -> int:
+    """Leading blocks two prompts share (of their first `reach`), by bisection on the chained hashes."""
+    low, high = 0, reach
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[middle - 1] == b[middle - 1]:
+            low = middle
+        else:
+            high = middle - 1
+    return low

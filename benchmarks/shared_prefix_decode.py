@@ -1,0 +1,147 @@
+"""The CPU decode step with a prompt prefix its rows share read once (`shared_prefix_attention.py`) or per row.
+
+Two measurements, each form timed in alternating runs of one process:
+
+- the attention alone: `--rows` rows in `--groups` groups over a `--prefix`-token shared prefix and
+  `--own` positions of their own, at tiny:qwen2's head shape (2 kv heads of 2 query heads, head size 32), for
+  `--layers` layers: the plain step's `decode_attention` over each row's slot against `SharedPrefix.attend`;
+- the embedded engine alone (no HTTP), on `benchmarks/serve_vs_vllm.py`'s workload: waves of `--rows` streamed
+  requests, each one of `--groups` prefixes of `--prefix` tokens plus `--suffix` tokens of its own, `--output`
+  tokens out, a wave sent once the last finished; time to first token and the wave's time (medians over
+  `--waves` waves after two unmeasured).
+
+    python benchmarks/shared_prefix_decode.py --threads 2
+    python benchmarks/shared_prefix_decode.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+
+import torch
+
+from agentrl.rollout.engines._prefix_cache import BLOCK_TOKENS, block_hashes
+from agentrl.rollout.engines._slot_decode import decode_attention
+from agentrl.rollout.engines.embedded import EmbeddedEngine, build_embedded_engine
+from agentrl.rollout.engines.shared_prefix_attention import plan_shared_prefix
+from agentrl.types import SamplingParams
+
+
+def attention_ms(args: argparse.Namespace) -> dict[str, float]:
+    """Milliseconds of `--layers` layers' decode attention, plain and shared (medians of 5 runs of 100 steps)."""
+    torch.manual_seed(0)
+    rows, kv_heads, query_rows, head = args.rows, 2, 2, 32
+    reach = args.prefix + args.own
+    shape = (rows, kv_heads, reach + 64, head)
+    keys = [torch.randn(shape) for _ in range(args.layers)]
+    values = [torch.randn(shape) for _ in range(args.layers)]
+    for cache in keys + values:
+        cache[:, :, : args.prefix] = cache[torch.arange(rows) % args.groups, :, : args.prefix]
+    prompts = [[g] * args.prefix for g in range(args.groups)]
+    hashes = [tuple(block_hashes(prompts[r % args.groups] + [r] * BLOCK_TOKENS)) for r in range(rows)]
+    plan = plan_shared_prefix(list(range(rows)), hashes, rows, BLOCK_TOKENS, torch.device("cpu"))
+    assert plan is not None, "these rows share no prefix worth reading once"
+    query = torch.randn(rows, kv_heads, query_rows, head)
+    positions = torch.randint(reach - 32, reach, (rows,))
+    visible = (torch.arange(reach) <= positions[:, None])[:, None, None, :]
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    forms = {
+        "plain": lambda k, v: decode_attention(query, k[:, :, :reach], v[:, :, :reach], mask, 0.17),
+        "shared": lambda k, v: plan.attend(query, k, v, mask, 0.17),
+    }
+    torch.testing.assert_close(forms["shared"](keys[0], values[0]), forms["plain"](keys[0], values[0]))
+    runs: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(5):
+        for name, form in forms.items():
+            start = time.perf_counter()
+            for _ in range(100):
+                for k, v in zip(keys, values, strict=True):
+                    form(k, v)
+            runs[name].append((time.perf_counter() - start) * 10)
+    return {name: statistics.median(times) for name, times in runs.items()}
+
+
+async def _wave(engine: EmbeddedEngine, prompts: list[list[int]], params: SamplingParams) -> list[float]:
+    async def one(prompt: list[int]) -> float:
+        start, first = time.perf_counter(), None
+        async for _ in engine.stream(prompt, params):
+            first = first or time.perf_counter() - start
+        return first
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def engine_waves(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """(median time to first token ms, median wave ms) with the shared prefix read once and per row."""
+    engine = build_embedded_engine(args.model, max_model_len=1024, max_num_seqs=args.rows)
+    rng = random.Random(1)
+    vocab = min(engine.vocab_size, 2000)
+    prefixes = [[rng.randrange(10, vocab) for _ in range(args.prefix)] for _ in range(args.groups)]
+    params = SamplingParams(max_tokens=args.output, ignore_eos=True)
+    results: dict[str, list[tuple[float, float]]] = {"plain": [], "shared": []}
+
+    async def waves() -> None:
+        for wave in range(2 + 2 * args.waves):
+            form = "shared" if wave % 2 else "plain"
+            engine._batch._shares_prefixes = form == "shared"
+            prompts = [
+                rng.choice(prefixes) + [rng.randrange(10, vocab) for _ in range(args.suffix)]
+                for _ in range(args.rows)
+            ]
+            start = time.perf_counter()
+            firsts = await _wave(engine, prompts, params)
+            if wave >= 2:
+                results[form].append((statistics.mean(firsts) * 1000, (time.perf_counter() - start) * 1000))
+
+    try:
+        asyncio.run(waves())
+    finally:
+        engine.close()
+    return {
+        form: (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+        for form, runs in results.items()
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny:qwen2")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--prefix", type=int, default=512)
+    p.add_argument(
+        "--own", type=int, default=96, help="attention alone: positions past the prefix a row holds"
+    )
+    p.add_argument("--suffix", type=int, default=64, help="engine: prompt tokens past the prefix")
+    p.add_argument("--output", type=int, default=32)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--waves", type=int, default=12, help="engine: measured waves of each form")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    # The engine first: torch calls on this thread before it made the engine's thread ~1.5x slower.
+    waves = engine_waves(args)
+    attention = attention_ms(args)
+    print(
+        f"{args.threads} torch thread(s), {args.rows} rows in {args.groups} groups over {args.prefix} shared tokens"
+    )
+    print("| | plain | shared prefix read once | plain / shared |\n| --- | ---: | ---: | ---: |")
+    print(
+        f"| attention, {args.layers} layers, ms a step | {attention['plain']:.3f} | {attention['shared']:.3f} | "
+        f"{attention['plain'] / attention['shared']:.2f}x |"
+    )
+    for i, what in enumerate(("engine: mean time to first token, ms", "engine: a wave, ms")):
+        plain, shared = waves["plain"][i], waves["shared"][i]
+        print(f"| {what} | {plain:.1f} | {shared:.1f} | {plain / shared:.2f}x |")
+    rate = {form: args.rows / (waves[form][1] / 1000) for form in waves}
+    print(
+        f"| engine: requests/s | {rate['plain']:.1f} | {rate['shared']:.1f} | {rate['shared'] / rate['plain']:.2f}x |"
+    )
+
+
+if __name__ == "__main__":
+    main()
