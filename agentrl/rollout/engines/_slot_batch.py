@@ -374,7 +374,9 @@ class SlotBatch:
         self._row_slots: list[int] = []
         self._row_positions: list[int] = []
         self._row_prefixes: list[tuple[int, ...]] = []
-        """Each row's prompt as `block_hashes` (empty when unknown): which rows share a prefix."""
+        """Each row's prompt as `block_hashes` mixed with the weights it was admitted under (empty when unknown):
+        which rows share a prefix. Rows admitted under other weights hold other keys for the same tokens."""
+        self._weight_changes = 0
         self._shares_prefixes = self.device.type == "cpu" and self.shape.dtype == torch.float32
         """Decode steps read a prefix rows share once (`shared_prefix_attention`): the float32 CPU step, which
         attends with matrix products (`decode_attention`) and is bound by reading the cache."""
@@ -545,7 +547,10 @@ class SlotBatch:
         self._row_slots += row_slots
         self._row_positions += [len(prompts[i]) for i in range(len(prompts)) for _ in range(copies[i])]
         known = hashes if hashes is not None and not self.images else [None] * len(prompts)
-        self._row_prefixes += [tuple(known[i] or ()) for i in range(len(prompts)) for _ in range(copies[i])]
+        prefixes = [
+            tuple(hash((self._weight_changes, h)) for h in known[i] or ()) for i in range(len(prompts))
+        ]
+        self._row_prefixes += [prefixes[i] for i in range(len(prompts)) for _ in range(copies[i])]
         self._shared = None
         self._set_slots(row_slots, self._active, [1] * len(row_slots))
         if self.images is not None:
@@ -905,7 +910,9 @@ class SlotBatch:
         self._shared = None
 
     def forget_prefixes(self, keep: int = 0) -> None:
-        """The weights changed: no prefix parked more than `keep` weight changes ago may be read again."""
+        """The weights changed: no prefix parked more than `keep` weight changes ago may be read again (and no
+        running row's prefix by a row admitted from now on)."""
+        self._weight_changes += 1
         for slot in self.prefixes.new_weights(keep):
             heapq.heappush(self._free, slot)
 

@@ -140,3 +140,19 @@ def test_the_engines_decode_steps_through_a_shared_prefix_give_a_plain_forwards_
     sequences.append(list(newcomer))
     for _ in range(3):
         step_and_check()
+
+
+def test_rows_admitted_under_other_weights_do_not_share():
+    """A weight change between two admissions of the same prompt: the later rows hold keys of the new weights,
+    so each admission's rows read their own group's copy, never the other's."""
+    model = random_qwen2(vocab_size=80)
+    batch = SlotBatch(model, max_slots=8, max_model_len=256, cuda_graphs=False)
+    prompt = _prompts(seed=9, shared=0, groups=1, rows_per_group=1, own=100)[0]
+    batch.admit([prompt], [2], reserve=200, hashes=[block_hashes(prompt)])
+    batch.forget_prefixes()  # what the engine calls after every weight update
+    batch.admit([prompt], [2], reserve=200, hashes=[block_hashes(prompt)])
+    batch.decode([1, 2, 3, 4])
+    plan = batch._shared[1] if batch._shared is not None else None
+    assert plan is not None
+    groups = {frozenset(row) for row in plan.members.tolist()}
+    assert groups == {frozenset(batch._row_slots[:2]), frozenset(batch._row_slots[2:])}
