@@ -546,7 +546,11 @@ class SlotBatch:
         self._copy_prefixes(copies_after)
         self._row_slots += row_slots
         self._row_positions += [len(prompts[i]) for i in range(len(prompts)) for _ in range(copies[i])]
-        known = hashes if hashes is not None and not self.images else [None] * len(prompts)
+        known = (
+            hashes
+            if hashes is not None and self._shares_prefixes and not self.images
+            else [None] * len(prompts)
+        )
         prefixes = [
             tuple(hash((self._weight_changes, h)) for h in known[i] or ()) for i in range(len(prompts))
         ]
