@@ -103,7 +103,9 @@ def plan_shared_prefix(
     The prefix length is the one that saves the most positions read (length x (rows - groups)) among the
     lengths every row's prompt reaches that are at least `MIN_SHARED_TOKENS` and leave groups of two rows on
     average. Rows sorted by their hashes put each group's rows next to each other, so the groups at a length
-    are told apart by where neighbours' common prefixes end."""
+    are told apart by where neighbours' common prefixes end. Equal hashes are taken for equal tokens: unlike the
+    prefix cache, which checks a match token by token, a collision of two running prompts' 64-bit hashes here
+    would go unnoticed (vLLM's automatic prefix caching keys its blocks the same way)."""
     rows = len(slots)
     reach = min((len(p) for p in prefixes), default=0)
     if rows < 2 or reach * block_tokens < MIN_SHARED_TOKENS:
