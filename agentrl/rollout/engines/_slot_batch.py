@@ -422,6 +422,7 @@ class SlotBatch:
                 "prefill_s",
                 "compacted_rows",
                 "prefill_parts",
+                "shared_prefix_prefills",
             )
             + tuple(
                 f"{path}_{what}" for path in PREFILL_PATHS for what in ("forwards", "tokens", "s", "host_s")
@@ -518,7 +519,8 @@ class SlotBatch:
             else {}
         )
         first = {i: at for i, at in plan.prefill.items() if i not in followers}
-        last_logits, offsets = self._prefill_planned(first, prompts, images)
+        shareable = hashes if hashes is not None and self._shares_prefixes and not self.images else None
+        last_logits, offsets = self._prefill_planned(first, prompts, images, shareable)
         if followers:  # their leaders' prefixes are computed now: copy them, prefill the rest
             self._copy_prefixes(
                 [(plan.prefill[j][0], plan.prefill[i][0], n) for i, (j, n) in followers.items()]
@@ -527,7 +529,7 @@ class SlotBatch:
                 self.counters["prefix_hit_tokens"] += length - plan.prefill[i][1]
                 plan.prefill[i] = (plan.prefill[i][0], length)
             more, more_offsets = self._prefill_planned(
-                {i: plan.prefill[i] for i in followers}, prompts, images
+                {i: plan.prefill[i] for i in followers}, prompts, images, shareable
             )
             last_logits.update(more)
             offsets.update(more_offsets)
@@ -546,11 +548,7 @@ class SlotBatch:
         self._copy_prefixes(copies_after)
         self._row_slots += row_slots
         self._row_positions += [len(prompts[i]) for i in range(len(prompts)) for _ in range(copies[i])]
-        known = (
-            hashes
-            if hashes is not None and self._shares_prefixes and not self.images
-            else [None] * len(prompts)
-        )
+        known = shareable or [None] * len(prompts)
         prefixes = [
             tuple(hash((self._weight_changes, h)) for h in known[i] or ()) for i in range(len(prompts))
         ]
@@ -570,12 +568,14 @@ class SlotBatch:
         prefill: dict[int, tuple[int, int]],
         prompts: list[list[int]],
         images: list[ImageInputs | None],
+        hashes: list[list[int] | None] | None = None,
     ) -> tuple[dict[int, torch.Tensor], dict[int, int]]:
         """Compute each planned prompt from its start position: with CUDA graphs, short runs through `_extend`
         (one graph replay), the rest (and any that computes image pads) through `_prefill_chunks`; without
         graphs every run through `_prefill_chunks`, whose packed forward pads nothing (`_extend` pads rows,
         width and span to powers of two: a third more time for 32 agent turns on the CPU). Their last logits
-        and rotary offsets."""
+        and rotary offsets. `hashes`: the prompts' `block_hashes` where the packed forward may read a prefix
+        its rows share once (`_shared_cached_prefix`), else None."""
         computed = {i: prompts[i][start:] for i, (_, start) in prefill.items()}
         pixels = {i: images[i] for i in prefill if images[i] is not None}
         vision: dict[int, PromptImages] = {}
@@ -594,7 +594,7 @@ class SlotBatch:
         }  # pads to compute go through `prefill_slots`, which reads image features
         long = {i: at for i, at in prefill.items() if i not in short}
         extended = self._extend(short, computed, offsets)
-        logits = {**self._prefill_chunks(long, computed, vision), **extended}
+        logits = {**self._prefill_chunks(long, computed, vision, hashes), **extended}
         return logits, offsets
 
     def cached_tokens(self, prompt: list[int], hashes: list[int] | None = None) -> int:
@@ -809,9 +809,11 @@ class SlotBatch:
         prefill: dict[int, tuple[int, int]],
         computed: dict[int, list[int]],
         vision: dict[int, PromptImages] | None = None,
+        hashes: list[list[int] | None] | None = None,
     ) -> dict[int, torch.Tensor]:
         """Run the prompts' uncached tokens through `prefill_slots` in forwards of bounded size (a long prompt
-        spans several, its later chunks attending to the earlier ones in its slot); each prompt's last logits."""
+        spans several, its later chunks attending to the earlier ones in its slot); each prompt's last logits.
+        `hashes` as in `_prefill_planned`."""
         pending = [(i, slot, start, computed[i]) for i, (slot, start) in prefill.items()]
         logits: dict[int, torch.Tensor] = {}
         while pending:
@@ -833,9 +835,11 @@ class SlotBatch:
                 tokens, span, width = tokens + take, longer, wider
             started = self._prefill_started()
             packed = self.images.pack([(b[3], b[2], vision.get(b[0])) for b in batch]) if vision else None
+            shared = self._shared_cached_prefix(batch, hashes)
+            self.counters["shared_prefix_prefills"] += shared is not None
             out = prefill_slots(
                 self.model, self.keys, self.values, [b[1] for b in batch], [b[2] for b in batch],
-                [b[3] for b in batch], packed, self._to_device, self._fused_layers(),
+                [b[3] for b in batch], packed, self._to_device, self._fused_layers(), shared,
             )  # fmt: skip
             left_over = []
             for row, (i, slot, start, chunk) in enumerate(batch):
@@ -847,6 +851,18 @@ class SlotBatch:
             pending = left_over + pending[len(batch) :]
             self._prefill_done(started, tokens, "packed")
         return logits
+
+    def _shared_cached_prefix(
+        self, batch: list[tuple[int, int, int, list[int]]], hashes: list[list[int] | None] | None
+    ) -> SharedPrefix | None:
+        """How the rows of a packed forward (prompt, slot, start, tokens) share a prefix that each holds already
+        (`plan_shared_prefix` over the blocks before each row's start), or None: 32 rows of 64 new tokens over
+        4 cached prefixes of 512 took 6.3 instead of 11.2 ms a layer on 2 cores, no cache copy gathered and
+        each group's prefix read once without a mask. Every row's prompt needs its hashes."""
+        if hashes is None or len(batch) < 2 or any(hashes[i] is None for i, *_ in batch):
+            return None
+        cached = [tuple(hashes[i][: start // BLOCK_TOKENS]) for i, _, start, _ in batch]
+        return plan_shared_prefix(list(range(len(batch))), cached, len(batch), BLOCK_TOKENS, self.device)
 
     def _prefill_started(self) -> tuple[float, torch.cuda.Event | None]:
         """Mark the start of a prefill forward: the host's clock, and on CUDA an event on the device (waiting

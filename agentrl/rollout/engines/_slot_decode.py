@@ -413,6 +413,7 @@ def prefill_slots(
     vision: PackedVision | None = None,
     to_device: Callable[[torch.Tensor], torch.Tensor] | None = None,
     fused: list[LayerFused] | None = None,
+    shared: SharedPrefix | None = None,
 ) -> torch.Tensor:
     """Feed `chunks[r]` at positions starts[r].. of slot slots[r]; write their keys and values; return the
     logits of each chunk's last token (rows, V). `to_device`: how a host tensor reaches the model's device
@@ -423,7 +424,9 @@ def prefill_slots(
     the same prompt) and causally to itself. Only attention pads, to the longest chunk: one SDPA call over
     (rows, kv heads, query heads per kv head x widest chunk, keys) with a mask for each row's own positions.
     `vision`: a vision-language model's image features and rotary positions for these tokens. `fused`: as
-    `decode_step`'s.
+    `decode_step`'s. `shared`: how the rows (as its slots) share a prefix they all hold already
+    (`plan_shared_prefix` over their cached parts): each group's queries attend over one row's copy of it
+    without a mask, and over their own positions past it under the mask (`SharedPrefix.attend_prefill`).
     """
     inner = text_model(model)
     shape = KVShape.of(model)
@@ -452,7 +455,7 @@ def prefill_slots(
     query_positions = start_of_row.unsqueeze(1) + torch.arange(widest, device=device).unsqueeze(0)
     visible = torch.arange(span, device=device).view(1, 1, span) <= query_positions.unsqueeze(2)
     hidden = inner.embed_tokens(ids.unsqueeze(0))  # (1, N, H)
-    mask = _grouped_mask(visible, groups, hidden.dtype)
+    mask = _grouped_mask(visible if shared is None else visible[..., shared.length :], groups, hidden.dtype)
     rope = positions.unsqueeze(0)
     if vision is not None:
         hidden[0, vision.mask] = vision.embeds.to(hidden.dtype)
@@ -476,13 +479,16 @@ def prefill_slots(
         padded[row_of, offset] = q
         # Grouped-query attention without repeating keys: a kv head's query heads act as its query rows.
         grouped = padded.permute(0, 2, 1, 3).reshape(rows, shape.kv_heads, groups * widest, shape.head_dim)
-        out = F.scaled_dot_product_attention(
-            grouped,
-            keys[index][:, :, :span].index_select(0, slot_of_row),
-            values[index][:, :, :span].index_select(0, slot_of_row),
-            attn_mask=mask,
-            scale=attn.scaling,
-        )
+        if shared is not None:
+            out = shared.attend_prefill(grouped, keys[index], values[index], mask, attn.scaling, slot_of_row)
+        else:
+            out = F.scaled_dot_product_attention(
+                grouped,
+                keys[index][:, :, :span].index_select(0, slot_of_row),
+                values[index][:, :, :span].index_select(0, slot_of_row),
+                attn_mask=mask,
+                scale=attn.scaling,
+            )
         out = out.reshape(rows, heads, widest, shape.head_dim).permute(0, 2, 1, 3)[row_of, offset]
         hidden = hidden + attn.o_proj(out.reshape(1, total, heads * shape.head_dim))
         hidden = hidden + mlp_output(layer.mlp, layer.post_attention_layernorm(hidden), fused_layer)

@@ -35,6 +35,8 @@ class SharedPrefix:
     """(groups,) long: the slot whose copy of the prefix its group reads."""
     member_of_slot: torch.Tensor
     """(slots of the step,) long: each slot's place in `members` flattened (a slot no row runs in: 0)."""
+    sizes: tuple[int, ...]
+    """Each group's slots (the members before its padding)."""
 
     def attend(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
@@ -68,6 +70,68 @@ class SharedPrefix:
         weight_shared, weight_own = (max_shared - top).exp_(), (max_own - top).exp_()
         total = (sum_shared * weight_shared).add_(sum_own * weight_own)
         return (out_shared * weight_shared).add_(out_own * weight_own).div_(total)
+
+    def attend_prefill(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        own_mask: torch.Tensor,
+        scale: float,
+        row_slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """A packed prefill's attention (`prefill_slots`), where this plan's slots are the forward's rows and
+        `row_slots` (rows,) their cache slots. `query` (rows, kv heads, query rows, D): every query lies past
+        the prefix, which every row holds already, so the prefix needs no mask; `own_mask` (rows, 1, query
+        rows, positions past the prefix) additive. Both parts through the CPU's flash kernel, which gives the
+        log-sum-exps the merge needs: a prefill's scores (a group's 1,024 query rows x 512 positions) are too
+        many to hold as `attend` does."""
+        _, kv_heads, query_rows, head_dim = query.shape
+        length, reach = self.length, self.length + own_mask.shape[-1]
+        leaders = row_slots.index_select(0, self.leaders)
+        # A call per group, of its own rows only: one call over groups padded to the largest computed a
+        # 13-row group's queries for every group.
+        shared_parts = []
+        for group, size in enumerate(self.sizes):
+            members = self.members[group, :size]
+            grouped = query.index_select(0, members).transpose(0, 1).reshape(1, kv_heads, -1, head_dim)
+            leader = leaders[group : group + 1]
+            out, lse = _flash_with_lse(
+                grouped,
+                keys[:, :, :length].index_select(0, leader),
+                values[:, :, :length].index_select(0, leader),
+                None,
+                scale,
+            )
+            out = torch.cat((out, lse.unsqueeze(-1)), dim=-1)
+            shared_parts.append(out.view(kv_heads, size, query_rows, head_dim + 1).transpose(0, 1))
+        order = torch.cat([self.members[group, :size] for group, size in enumerate(self.sizes)])
+        place = torch.empty_like(order)
+        place[order] = torch.arange(len(order), device=order.device)
+        out_shared, lse_shared = torch.cat(shared_parts).index_select(0, place).split([head_dim, 1], dim=-1)
+        out_own, lse_own = _flash_with_lse(
+            query,
+            keys[:, :, length:reach].index_select(0, row_slots),
+            values[:, :, length:reach].index_select(0, row_slots),
+            own_mask,
+            scale,
+        )
+        lse_own = lse_own.unsqueeze(-1)
+        top = torch.maximum(lse_shared, lse_own)
+        weight_shared, weight_own = (lse_shared - top).exp_(), (lse_own - top).exp_()
+        total = weight_shared + weight_own
+        return (out_shared * weight_shared).add_(out_own * weight_own).div_(total)
+
+
+def _flash_with_lse(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's CPU flash attention, which `scaled_dot_product_attention` calls there, keeping the natural
+    log-sum-exp of each query row's scores (batch, heads, query rows) that the public call drops."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, keys, values, attn_mask=mask, scale=scale
+    )[:2]
+    return out, lse
 
 
 class SharedPrefixMask(NamedTuple):
@@ -136,6 +200,7 @@ def plan_shared_prefix(
         members=torch.tensor(members, dtype=torch.long, device=device),
         leaders=torch.tensor([group[0] for group in members], dtype=torch.long, device=device),
         member_of_slot=torch.tensor(member_of_slot, dtype=torch.long, device=device),
+        sizes=tuple(len(group) for group in groups_of.values()),
     )
 
 

@@ -1,8 +1,9 @@
-"""Decode attention that reads a shared prompt prefix once (`shared_prefix_attention.py`): which rows it groups,
-that it is the plain attention, and that the CPU engine's steps through it still give a plain forward's logits,
-also after a row leaves and another prompt takes its slot."""
+"""Attention that reads a shared prompt prefix once (`shared_prefix_attention.py`): which rows it groups, that it
+is the plain attention in the decode step and in the packed prefill, and that the CPU engine's steps through it
+still give a plain forward's logits, also after a row leaves and another prompt takes its slot."""
 
 import torch
+import torch.nn.functional as F
 
 from agentrl.rollout.engines._prefix_cache import BLOCK_TOKENS, block_hashes
 from agentrl.rollout.engines._slot_batch import SlotBatch
@@ -156,3 +157,63 @@ def test_rows_admitted_under_other_weights_do_not_share():
     assert plan is not None
     groups = {frozenset(row) for row in plan.members.tolist()}
     assert groups == {frozenset(batch._row_slots[:2]), frozenset(batch._row_slots[2:])}
+
+
+def test_shared_prefill_attention_is_the_plain_attention():
+    """A packed prefill's rows (their slots out of order, groups of 3, 2 and 1 over a 64-position prefix, 4 to 12
+    query rows each past it, the padded query rows of the shorter ones included): the same output as attending
+    over each row's own slot under the causal mask, to float64 rounding."""
+    torch.manual_seed(1)
+    slots, kv_heads, head_dim, length = 9, 2, 16, 128
+    keys = torch.randn(slots, kv_heads, length, head_dim, dtype=torch.float64)
+    values = torch.randn(slots, kv_heads, length, head_dim, dtype=torch.float64)
+    row_slots = torch.tensor([7, 2, 5, 0, 8, 3])
+    starts = [70, 64, 96, 80, 64, 100]
+    group_of_row = [0, 1, 0, 2, 1, 0]
+    base = _prompts(seed=10, shared=64, groups=3, rows_per_group=1, own=0)
+    for row, group in enumerate(group_of_row):
+        leader = row_slots[group_of_row.index(group)]
+        keys[row_slots[row], :, :64] = keys[leader, :, :64]
+        values[row_slots[row], :, :64] = values[leader, :, :64]
+    hashes = [tuple(block_hashes(base[group])) for group in group_of_row]
+    plan = plan_shared_prefix(list(range(6)), hashes, 6, BLOCK_TOKENS, CPU)
+    assert plan is not None and plan.length == 64 and sorted(plan.sizes) == [1, 2, 3]
+    widest, groups = 12, 2
+    reach = max(starts) + widest
+    positions = torch.tensor(starts)[:, None] + torch.arange(widest)
+    visible = (torch.arange(reach) <= positions[:, :, None]).repeat_interleave(groups, dim=1).unsqueeze(1)
+    mask = torch.zeros(visible.shape, dtype=torch.float64).masked_fill_(~visible, float("-inf"))
+    query = torch.randn(6, kv_heads, groups * widest, head_dim, dtype=torch.float64)
+    shared = plan.attend_prefill(query, keys, values, mask[..., 64:], 0.25, row_slots)
+    own_keys, own_values = keys[row_slots, :, :reach], values[row_slots, :, :reach]
+    plain = F.scaled_dot_product_attention(query, own_keys, own_values, attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(shared, plain, atol=1e-12, rtol=0)
+
+
+def test_the_engines_prefill_over_parked_shared_prefixes_gives_a_plain_forwards_logits():
+    """Float32 on the CPU, the serving benchmark's shape in small: two prompts' 96-token prefixes parked by
+    earlier requests, then six prompts that begin with them admitted together (copies of the parked prefix, then
+    a block their group shares but no slot holds, then 8 tokens of their own): one packed forward reads each
+    parked prefix once a group (only what every row holds: the shared block is computed in this forward, under
+    the causal mask), and every row's first logits, and the decode step after, equal a plain forward's."""
+    model = random_qwen2(vocab_size=80)
+    batch = SlotBatch(model, max_slots=8, max_model_len=256, cuda_graphs=False)
+    earlier = _prompts(seed=11, shared=96, groups=2, rows_per_group=1, own=10)
+    batch.admit(earlier, [1, 1], reserve=200, hashes=[block_hashes(p) for p in earlier])
+    batch.keep([], {0: earlier[0], 1: earlier[1]})  # parked, as finished requests are
+    generator = torch.Generator().manual_seed(12)
+    blocks = [torch.randint(0, 80, (BLOCK_TOKENS,), generator=generator).tolist() for _ in range(2)]
+    prompts = [
+        earlier[i % 2][:96] + blocks[i % 2] + torch.randint(0, 80, (8,), generator=generator).tolist()
+        for i in range(6)
+    ]
+    before = batch.counters["shared_prefix_prefills"]
+    logits = batch.admit(prompts, [1] * 6, reserve=200, hashes=[block_hashes(p) for p in prompts])
+    assert batch.counters["shared_prefix_prefills"] == before + 1
+    assert batch.counters["prefix_hit_tokens"] >= 6 * 96
+    for row, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits[row], _reference(model, prompt), atol=1e-5, rtol=0)
+    tokens = torch.randint(0, 80, (6,), generator=generator).tolist()
+    logits = batch.decode(tokens)
+    for row, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits[row], _reference(model, [*prompt, tokens[row]]), atol=1e-5, rtol=0)
