@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import socket
 import statistics
 import subprocess
@@ -137,7 +138,7 @@ def agentrl_server(args: argparse.Namespace, out: Path) -> Iterator[str]:
             sys.executable, "-m", "agentrl.cli", "serve", "--model", args.model, "--port", str(port),
             "--max-model-len", str(args.max_model_len), "--max-tokens", str(args.output_len),
             "--max-num-seqs", str(args.concurrency),
-            "--log-dir", str(out / "serve_logs"),
+            "--log-dir", str(out / "serve_logs"), *shlex.split(args.agentrl_flags),
         ],
         stdout=open(out / "serve.out", "w"), stderr=open(out / "serve.log", "w"),
     )  # fmt: skip
@@ -188,6 +189,11 @@ def main() -> None:
     )
     p.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     p.add_argument("--targets", nargs="+", choices=["agentrl", "vllm"], default=["agentrl", "vllm"])
+    p.add_argument(
+        "--agentrl-flags",
+        default="",
+        help="more flags for `agentrl serve`, one string (e.g. '--enforce-eager')",
+    )
     args = p.parse_args()
     args.served_name = args.model
     folder = resolve_model_path(args.model)

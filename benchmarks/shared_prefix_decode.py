@@ -1,14 +1,19 @@
-"""The CPU decode step with a prompt prefix its rows share read once (`shared_prefix_attention.py`) or per row.
+"""The CPU decode step and packed prefill with a prompt prefix their rows share read once
+(`shared_prefix_attention.py`) or per row.
 
-Two measurements, each form timed in alternating runs of one process:
+Three measurements, each form timed in alternating runs of one process:
 
-- the attention alone: `--rows` rows in `--groups` groups over a `--prefix`-token shared prefix and
+- the decode attention alone: `--rows` rows in `--groups` groups over a `--prefix`-token shared prefix and
   `--own` positions of their own, at tiny:qwen2's head shape (2 kv heads of 2 query heads, head size 32), for
   `--layers` layers: the plain step's `decode_attention` over each row's slot against `SharedPrefix.attend`;
+- the packed prefill's attention alone: `--rows` rows of `--suffix` new tokens over a cached `--prefix`-token
+  prefix of one of `--groups` (the groups as drawn at random, as the engine's waves are), `--layers` layers: the
+  plain prefill's gathered slots under one mask against `SharedPrefix.attend_prefill`;
 - the embedded engine alone (no HTTP), on `benchmarks/serve_vs_vllm.py`'s workload: waves of `--rows` streamed
   requests, each one of `--groups` prefixes of `--prefix` tokens plus `--suffix` tokens of its own, `--output`
   tokens out, a wave sent once the last finished; time to first token and the wave's time (medians over
-  `--waves` waves after two unmeasured).
+  `--waves` waves after two unmeasured), the prefix read once in both the prefill and the decode steps or in
+  neither.
 
     python benchmarks/shared_prefix_decode.py --threads 2
     python benchmarks/shared_prefix_decode.py --threads 1
@@ -23,6 +28,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from agentrl.rollout.engines._prefix_cache import BLOCK_TOKENS, block_hashes
 from agentrl.rollout.engines._slot_decode import decode_attention
@@ -62,6 +68,48 @@ def attention_ms(args: argparse.Namespace) -> dict[str, float]:
                 for k, v in zip(keys, values, strict=True):
                     form(k, v)
             runs[name].append((time.perf_counter() - start) * 10)
+    return {name: statistics.median(times) for name, times in runs.items()}
+
+
+def prefill_attention_ms(args: argparse.Namespace) -> dict[str, float]:
+    """Milliseconds of `--layers` layers' packed prefill attention, plain and shared (medians of 5 runs of 10)."""
+    torch.manual_seed(0)
+    rows, kv_heads, query_heads, head = args.rows, 2, 2, 32
+    reach = args.prefix + args.suffix
+    shape = (rows, kv_heads, reach + 64, head)
+    keys = [torch.randn(shape) for _ in range(args.layers)]
+    values = [torch.randn(shape) for _ in range(args.layers)]
+    group_of_slot = torch.randint(0, args.groups, (rows,))
+    for cache in keys + values:
+        cache[:, :, : args.prefix] = cache[group_of_slot, :, : args.prefix]
+    row_slots = torch.randperm(rows)
+    prompts = [[g] * args.prefix for g in range(args.groups)]
+    hashes = [tuple(block_hashes(prompts[group_of_slot[slot]])) for slot in row_slots.tolist()]
+    plan = plan_shared_prefix(list(range(rows)), hashes, rows, BLOCK_TOKENS, torch.device("cpu"))
+    assert plan is not None, "these rows share no prefix worth reading once"
+    query = torch.randn(rows, kv_heads, query_heads * args.suffix, head)
+    positions = args.prefix + torch.arange(args.suffix)
+    visible = (torch.arange(reach) <= positions[:, None]).repeat(query_heads, 1)
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).expand(rows, 1, *visible.shape)
+    own_mask = mask[..., args.prefix :].contiguous()
+
+    def plain(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        gathered = (c[:, :, :reach].index_select(0, row_slots) for c in (k, v))
+        return F.scaled_dot_product_attention(query, *gathered, attn_mask=mask, scale=0.17)
+
+    forms = {
+        "plain": plain,
+        "shared": lambda k, v: plan.attend_prefill(query, k, v, own_mask, 0.17, row_slots),
+    }
+    torch.testing.assert_close(forms["shared"](keys[0], values[0]), forms["plain"](keys[0], values[0]))
+    runs: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(5):
+        for name, form in forms.items():
+            start = time.perf_counter()
+            for _ in range(10):
+                for k, v in zip(keys, values, strict=True):
+                    form(k, v)
+            runs[name].append((time.perf_counter() - start) * 100)
     return {name: statistics.median(times) for name, times in runs.items()}
 
 
@@ -126,13 +174,18 @@ def main() -> None:
     # The engine first: torch calls on this thread before it made the engine's thread ~1.5x slower.
     waves = engine_waves(args)
     attention = attention_ms(args)
+    prefill = prefill_attention_ms(args)
     print(
         f"{args.threads} torch thread(s), {args.rows} rows in {args.groups} groups over {args.prefix} shared tokens"
     )
     print("| | plain | shared prefix read once | plain / shared |\n| --- | ---: | ---: | ---: |")
     print(
-        f"| attention, {args.layers} layers, ms a step | {attention['plain']:.3f} | {attention['shared']:.3f} | "
+        f"| decode attention, {args.layers} layers, ms a step | {attention['plain']:.3f} | {attention['shared']:.3f} | "
         f"{attention['plain'] / attention['shared']:.2f}x |"
+    )
+    print(
+        f"| prefill attention, {args.layers} layers, ms a forward | {prefill['plain']:.3f} | "
+        f"{prefill['shared']:.3f} | {prefill['plain'] / prefill['shared']:.2f}x |"
     )
     for i, what in enumerate(("engine: mean time to first token, ms", "engine: a wave, ms")):
         plain, shared = waves["plain"][i], waves["shared"][i]

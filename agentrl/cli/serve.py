@@ -74,6 +74,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="prompt tokens one prefill forward (and, chunked, one step) computes (vLLM's flag; embedded: 8192)",
     )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="embedded: no torch.compile of the decode step and no CUDA graphs (vLLM's flag; both on by default)",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="cap on completion tokens per call")
     p.add_argument("--temperature", type=float, default=1.0, help="enforced sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -167,7 +172,9 @@ def _start_embedded(
     from agentrl.rollout.engines.embedded import build_embedded_engine
     from agentrl.rollout.uvicorn_thread import start_server_in_thread
 
-    torch.set_num_threads(args.threads or engine_threads())
+    # The engines' threads compute; this one loads on one torch thread, so that no second OpenMP pool outnumbers
+    # the cores (`EmbeddedEngine`'s `threads`).
+    torch.set_num_threads(1)
     urls = []
     for _ in range(args.servers):
         engine = build_embedded_engine(
@@ -175,6 +182,9 @@ def _start_embedded(
             dtype=args.dtype or "float32",
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
+            cuda_graphs=not args.enforce_eager,
+            compile_decode=not args.enforce_eager,
+            threads=args.threads or engine_threads(),
             **_prefill_options(args),
         )
         cleanup.append(engine.close)
@@ -195,7 +205,8 @@ def _start_vllm(
     servers = launch_vllm_servers(
         model, args.servers, python=args.vllm_python, served_model_name=name,
         max_model_len=args.max_model_len, dtype=args.dtype or "auto", max_num_seqs=args.max_num_seqs,
-        extra_args=_vllm_prefill_flags(args), startup_timeout=args.startup_timeout, log_dir=args.log_dir,
+        extra_args=[*_vllm_prefill_flags(args), *(["--enforce-eager"] if args.enforce_eager else [])],
+        startup_timeout=args.startup_timeout, log_dir=args.log_dir,
     )  # fmt: skip
     cleanup.append(servers.stop)
     return list(servers)

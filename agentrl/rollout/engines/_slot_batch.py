@@ -336,8 +336,9 @@ class SlotBatch:
     ) -> None:
         """`prefix_caching`: reuse the keys and values of prompt prefixes already computed (`_prefix_cache.py`).
         `prefill_chunk_tokens`: the most prompt tokens one prefill forward computes. `compile_decode`: run the
-        decode and extend steps through torch.compile (CUDA graphs only): Inductor fuses the ~40 small kernels
-        per layer (norms, rotary, residuals) that keep a graph replay launch-bound. `fuse_projections`: multiply
+        decode and extend steps through torch.compile under CUDA graphs (Inductor fuses the ~40 small kernels
+        per layer, norms, rotary, residuals, that keep a graph replay launch-bound), and the decode step on the
+        CPU (each of those kernels an eager call there; the packed prefill stays eager). `fuse_projections`: multiply
         by concatenated copies of each layer's q/k/v and gate/up weights (`_fused_projections.py`) where the
         layers allow it."""
         self.model = model
@@ -351,10 +352,11 @@ class SlotBatch:
         """Concatenated projection weights the steps multiply by, or None (off, or layers they cannot serve)."""
         self._decode_step = decode_step
         self._extend_step = extend_step
-        if compile_decode and self.cuda_graphs:
+        if compile_decode and (self.cuda_graphs or self.device.type == "cpu"):
             use_compile_cache(model.config, next(model.parameters()).dtype, self.device)
             self._decode_step = compiled_decode_step()
-            self._extend_step = compiled_extend_step()
+            if self.cuda_graphs:  # the CPU prefills through `prefill_slots` only
+                self._extend_step = compiled_extend_step()
         self._flash_step: Callable[..., torch.Tensor] | None = None
         """`flash_extend_step` (compiled with the others under CUDA graphs) where FlashAttention reads the cache in
         place: it prefills every text prompt (`_flash_extend`), in place of `_extend_step` and `prefill_slots`."""
@@ -937,6 +939,16 @@ class SlotBatch:
             heapq.heappush(self._free, slot)
 
     @property
+    def _extend_compiled(self) -> bool:
+        """Whether the extend step runs through torch.compile (under CUDA graphs; the CPU prefills packed)."""
+        return self._extend_step is not extend_step
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the decode step runs through torch.compile (a failed compile falls back to the plain step)."""
+        return self._decode_step is not decode_step
+
+    @property
     def held_tokens(self) -> int:
         """Cache positions holding a running or parked sequence's keys and values."""
         return sum(self._row_positions) + self.prefixes.parked_tokens
@@ -1170,7 +1182,9 @@ class SlotBatch:
         host, ready = self._staging.to_host(results)
         return DeviceDraw(slots, host, ready)
 
-    def _step(self, bucket: int) -> torch.Tensor:
+    def _step(self, bucket: int, span: int | None = None) -> torch.Tensor:
+        """The decode step over slots 0..bucket-1; without graphs over `span` cache positions (default
+        `_span`)."""
         offsets = self._rope_offsets[:bucket] if self.images else None
         ids, positions = self._token_ids[:bucket], self._positions[:bucket]
         if self.cuda_graphs:  # one graph per bucket reads the whole cache length
@@ -1184,15 +1198,16 @@ class SlotBatch:
             ids,
             positions,
             offsets,
-            self._span(),
+            span or self._span(),
             fused=self._fused_layers(),
             **({"shared": shared} if (shared := self._shared_prefix(bucket)) is not None else {}),
         )
 
     def _shared_prefix(self, bucket: int) -> SharedPrefix | None:
         """How this step's rows share a prompt prefix (`plan_shared_prefix`), planned when the rows or their
-        slots change; None off the float32 CPU step."""
-        if not self._shares_prefixes:
+        slots change; None off the float32 CPU step, and for the compiled step (whose graph reads each row's
+        own copy: the plan's shapes and length would each compile it again)."""
+        if not self._shares_prefixes or self._decode_step is not decode_step:
             return None
         key = (bucket, *self._row_slots)
         if self._shared is None or self._shared[0] != key:
@@ -1265,9 +1280,9 @@ class SlotBatch:
         self.setup_s["graph_capture_s"] += time.perf_counter() - start
         return graph, output
 
-    def _warm_up(self, bucket: int) -> None:
-        """One decode step outside capture (it compiles the step the first time)."""
-        self._compiled_or_plain("decode", lambda: self._step(bucket))
+    def _warm_up(self, bucket: int, span: int | None = None) -> None:
+        """One decode step outside capture (it compiles the step the first time); `span` as `_step`'s."""
+        self._compiled_or_plain("decode", lambda: self._step(bucket, span))
 
     def _compiled_or_plain(self, step: str, run: Callable[[], object]) -> None:
         """`run` a step (`decode` or `extend`) outside capture; if its compilation fails, fall back to the plain
@@ -1305,14 +1320,15 @@ class SlotBatch:
         had_cache = self.length > 0
         for length in (MIN_LENGTH, 2 * MIN_LENGTH):  # the second compiles the cache length symbolic
             self._ensure_length(min(length, self.max_model_len))
-            # as `decode` and `decode_sampled` run it, and with the attention kernels of `_capture`
+            # as `decode` and `decode_sampled` run it, and with the attention kernels of `_capture`; on the CPU
+            # over two spans, which makes the span symbolic too (the eager step reads `_span` positions)
             with torch.inference_mode(), cudnn_attention_for_capture():
-                self._warm_up(MIN_BUCKET)
+                self._warm_up(MIN_BUCKET, None if self.cuda_graphs else SPAN_STEP * length // MIN_LENGTH)
         # The extend step first over a span shorter than the cache, then over all of it. Traced first with the
         # two equal, Dynamo gave both one symbol, and the graph then read a longer cache with the span's strides
         # (Inductor's input check stopped it on an H200).
         with torch.inference_mode(), cudnn_attention_for_capture():
-            for span in sorted({min(MIN_LENGTH, self.length), self.length}):
+            for span in sorted({min(MIN_LENGTH, self.length), self.length}) if self._extend_compiled else ():
                 self._compiled_or_plain("extend", functools.partial(self._extend_placeholder, span))
             if self._flash_step is not None:
                 self._compiled_or_plain("flash", self._flash_placeholder)

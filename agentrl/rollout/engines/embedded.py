@@ -122,6 +122,7 @@ class EmbeddedEngine:
         prefix_max_weight_changes: int = 0,
         sleeps_between_steps: bool = False,
         fuse_projections: bool = True,
+        threads: int | None = None,
     ) -> None:
         """`image_processor`: a vision-language model's (loaded from the model's folder when None).
         `cuda_graphs=False` decodes eagerly (verl's `enforce_eager`); it only matters on CUDA.
@@ -143,7 +144,13 @@ class EmbeddedEngine:
         addresses each wake brings them back to (`ParkedWeights.settle`), so graphs captured before the first
         sleep stay valid (else all were captured again after it: 0.85 s of a 20-step SmolLM2 run on an H200).
         `fuse_projections`: the slot path multiplies by concatenated copies of each layer's q/k/v and gate/up
-        weights (`_fused_projections.py`), copied again at every weight change."""
+        weights (`_fused_projections.py`), copied again at every weight change. `threads`: torch threads of the
+        engine's own thread (CPU), set there (default: torch's setting when the thread first computes).
+
+        The engine's thread compiles its steps (`compile_now`; the constructor waits for it): OpenMP keeps a pool
+        of worker threads per thread that ran parallel work, and where the pools' threads outnumber the cores
+        libgomp makes every worker sleep between parallel regions. On 2 cores, a compile on the constructor's
+        thread left the engine's CPU waves 1.4-1.9x slower (`docs/benchmarks.md`)."""
         self.model = model.eval()
         self.owns_weights = owns_weights
         self.draw_on_device = draw_on_device
@@ -197,12 +204,29 @@ class EmbeddedEngine:
         waiting for them counts as (`_step_on_device`)."""
         self._rows_on_device = False
         """Whether the device holds every row's pending token, position and draw counter."""
-        if isinstance(self._batch, SlotBatch) and self._batch.cuda_graphs:
-            seconds = self._batch.compile_now()
-            if seconds:
-                logger.info("embedded engine: compiled the decode and extend steps in %.1f s", seconds)
+        self._threads = threads
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
         self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self.close()
+            raise self._start_error
+
+    def _start_on_engine_thread(self) -> None:
+        """What the engine's thread does first: take its torch threads and compile the steps."""
+        try:
+            if self._threads is not None:
+                torch.set_num_threads(self._threads)
+            if isinstance(self._batch, SlotBatch):
+                seconds = self._batch.compile_now()
+                if seconds:
+                    logger.info("embedded engine: compiled its steps in %.1f s", seconds)
+        except BaseException as error:  # raised in the constructor's thread
+            self._start_error = error
+        finally:
+            self._started.set()
 
     def _build_batch(self, cuda_graphs: bool, compile_decode: bool) -> SlotBatch | DynamicBatch:
         reason = slot_decode_unsupported(self.model)
@@ -341,6 +365,7 @@ class EmbeddedEngine:
 
     # ----- scheduler thread -------------------------------------------------------------------
     def _run(self) -> None:
+        self._start_on_engine_thread()
         hold = None
         while True:
             with self._cond:
@@ -881,6 +906,7 @@ class EmbeddedEngine:
             "max_num_seqs": self.max_num_seqs,
             "max_model_len": self.max_model_len,
             "enable_prefix_caching": self.enable_prefix_caching,
+            "compile_decode": isinstance(self._batch, SlotBatch) and self._batch.compiled,
             "enable_chunked_prefill": self.chunked_prefill,
             "max_num_batched_tokens": self.prefill_chunk_tokens,
             "request_latency_seconds": self._latencies.snapshot(),

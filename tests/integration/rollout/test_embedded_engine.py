@@ -242,6 +242,31 @@ def test_slot_cache_grows_while_rows_run_and_logprobs_stay_exact(model, tokenize
         engine.close()
 
 
+def test_a_compiled_cpu_decode_step_compiles_on_the_engines_thread_and_stays_exact(model, tokenizer, prompts):
+    """`compile_decode` on the CPU: the decode step goes through torch.compile, on the engine's own thread (this
+    thread only waits: a compile here would leave it an OpenMP pool that slows the engine's), and rows that
+    cross several cache spans (each a size the compiled step takes symbolically) keep teacher-forced logprobs."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    engine = EmbeddedEngine(
+        copy.deepcopy(model), tokenizer, max_num_seqs=8, max_model_len=512, compile_decode=True
+    )
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    try:
+        assert engine.stats()["compile_decode"] is True
+        assert cpu < 0.5 * wall, f"the constructor's thread spent {cpu:.1f} of {wall:.1f} s computing"
+
+        async def run():
+            params = SamplingParams(temperature=1.0, max_tokens=150, n=2, seed=3, ignore_eos=True)
+            return await asyncio.gather(*(engine.generate(p, params) for p in prompts[:3]))
+
+        for prompt, outputs in zip(prompts, asyncio.run(run()), strict=False):
+            for out in outputs:
+                reference = _teacher_forced_logprobs(model, prompt, out.token_ids)
+                assert (reference - torch.tensor(out.logprobs)).abs().max().item() < 1e-4
+    finally:
+        engine.close()
+
+
 def test_min_tokens_blocks_stop_tokens_from_being_drawn(engine, prompts):
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
     first = asyncio.run(engine.generate(prompts[0], greedy))[0].token_ids[0]

@@ -78,6 +78,8 @@ def test_serve_embedded_two_servers(tmp_path: Path) -> None:
         assert "vllm:time_to_first_token_seconds_count" in httpx.get(metrics[0]).text
         health = httpx.get(f"{base}/health").json()
         assert health["status"] == "ok" and len(health["servers"]) == 2
+        # compiled by default, as vLLM serves (`--enforce-eager` above turns it off)
+        assert httpx.get(f"{health['servers'][0]['url']}/stats", timeout=30).json()["compile_decode"] is True
         r = httpx.post(
             f"{base}/sessions/demo/v1/chat/completions",
             json={"model": "tiny:qwen2-mini", "messages": [{"role": "user", "content": "hi"}]},
@@ -99,15 +101,16 @@ def test_serve_embedded_two_servers(tmp_path: Path) -> None:
 
 
 def test_serve_passes_vllms_prefill_flags_to_the_embedded_engine(tmp_path: Path) -> None:
-    """`--no-enable-chunked-prefill --max-num-batched-tokens 48` as `vllm serve` takes them; the server's
-    `GET /stats` shows what its engine runs with."""
+    """`--no-enable-chunked-prefill --max-num-batched-tokens 48 --enforce-eager` as `vllm serve` takes them; the
+    server's `GET /stats` shows what its engine runs with."""
     args = ["--model", "tiny:qwen2-mini", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "48"]
+    args.append("--enforce-eager")
     proc, base, lines = _start_serve([*args, "--log-dir", str(tmp_path)], 120)
     try:
         server = httpx.get(f"{base}/health").json()["servers"][0]["url"]
         stats = httpx.get(f"{server}/stats", timeout=30).json()
         assert stats["enable_chunked_prefill"] is False and stats["max_num_batched_tokens"] == 48
-        assert stats["enable_prefix_caching"] is True
+        assert stats["enable_prefix_caching"] is True and stats["compile_decode"] is False
     finally:
         _interrupt(proc)
     assert proc.returncode == 0

@@ -34,15 +34,16 @@ def _recording_backend() -> tuple[list[torch.fx.GraphModule], Callable]:
 
 
 def test_one_traced_layer_serves_every_layer_and_nothing_compiles_again(model):
-    """A recording backend stands in for Inductor (Dynamo's tracing and guards, no code generation): two graphs,
-    the step's inputs and one layer (one attention), are traced at `compile_now`, and never again, for a longer
-    cache and another bucket; the logits equal the plain step's."""
+    """A recording backend stands in for Inductor (Dynamo's tracing and guards, no code generation): the step's
+    inputs (twice: the CPU step reads a span of the cache, which compile_now's second span makes symbolic) and
+    one layer (one attention) are traced at `compile_now`, and never again, for a longer cache, a longer span
+    and another bucket; the logits equal the plain step's."""
     graphs, recording = _recording_backend()
     batch = SlotBatch(model, max_slots=16, max_model_len=1024, cuda_graphs=False)
     batch._decode_step = compiled_decode_step(backend=recording)
     assert batch.compile_now() > 0
     assert batch.length == 0  # the cache it traced with is freed again
-    assert len(graphs) == 2
+    assert len(graphs) == 3
     nodes = [node for graph in graphs for node in graph.graph.nodes]
     # One attention (SDPA, or on the CPU the softmax of `decode_attention`): one layer, not the whole step.
     attentions = [
@@ -55,8 +56,10 @@ def test_one_traced_layer_serves_every_layer_and_nothing_compiles_again(model):
         batch.decode([11] * batch.size)
     batch.admit([[12, 13, 14]], [6], reserve=300)  # 11 rows: bucket 16
     batch.decode([15] * batch.size)
-    assert len(graphs) == 2
-    assert counters["stats"]["unique_graphs"] == 2
+    batch.admit([list(range(20, 220))], [1], reserve=300)  # a 192-position span
+    batch.decode([16] * batch.size)
+    assert len(graphs) == 3
+    assert counters["stats"]["unique_graphs"] == 3
 
     # The same step again through the plain function: it rewrites the same keys and values, so the logits compare.
     bucket = batch._bucket(batch.size)
