@@ -90,7 +90,13 @@ def prefill_attention_ms(args: argparse.Namespace) -> dict[str, float]:
     query = torch.randn(rows, kv_heads, query_heads * args.suffix, head)
     positions = args.prefix + torch.arange(args.suffix)
     visible = (torch.arange(reach) <= positions[:, None]).repeat(query_heads, 1)
-    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).expand(rows, 1, *visible.shape)
+    # materialized, as the engine's `_grouped_mask` makes it (one row of keys per query row and row)
+    mask = (
+        torch.zeros(visible.shape)
+        .masked_fill_(~visible, float("-inf"))
+        .expand(rows, 1, *visible.shape)
+        .contiguous()
+    )
     own_mask = mask[..., args.prefix :].contiguous()
 
     def plain(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -150,7 +150,7 @@ class EmbeddedEngine:
         The engine's thread compiles its steps (`compile_now`; the constructor waits for it): OpenMP keeps a pool
         of worker threads per thread that ran parallel work, and where the pools' threads outnumber the cores
         libgomp makes every worker sleep between parallel regions. On 2 cores, a compile on the constructor's
-        thread left the engine's CPU waves 1.4-1.9x slower (`docs/benchmarks.md`)."""
+        thread left the engine's CPU waves ~2x slower (`benchmarks/openmp_pools.py`)."""
         self.model = model.eval()
         self.owns_weights = owns_weights
         self.draw_on_device = draw_on_device
