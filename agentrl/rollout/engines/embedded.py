@@ -43,6 +43,7 @@ import torch
 from agentrl.data.images import load_image_processor
 from agentrl.rollout.engines._batch import DynamicBatch
 from agentrl.rollout.engines._latency import RequestLatencies
+from agentrl.rollout.engines._openmp import release_openmp_workers
 from agentrl.rollout.engines._parked_weights import ParkedWeights
 from agentrl.rollout.engines._prefix_cache import BLOCK_TOKENS, block_hashes
 from agentrl.rollout.engines._requests import Detokenizer, Request, Sequence, StreamEvent, build_sequences
@@ -369,9 +370,12 @@ class EmbeddedEngine:
         hold = None
         while True:
             with self._cond:
+                released = False
                 while not self._closed and (
                     self._admin_waiting or (not self._rows and (self._asleep or not self._waiting))
                 ):
+                    if self._asleep and not released:  # the trainer's turn: the cores are its (`_openmp.py`)
+                        released = release_openmp_workers()
                     self._cond.wait()
                 if hold is not None and not self._rows and not self._closed:
                     self._cond.wait(timeout=hold)  # an idle engine gathering a burst (a new arrival wakes it)
@@ -862,7 +866,9 @@ class EmbeddedEngine:
 
     def wake_up(self) -> None:
         """Undo `sleep`; requests that arrived meanwhile start now (after a `discard_weights` sleep, once a push
-        has loaded every weight: `update_weights`)."""
+        has loaded every weight: `update_weights`). The calling thread (a hybrid trainer's, which now waits for
+        the rollouts) gives its OpenMP workers back, so that the engine's thread has the cores (`_openmp.py`)."""
+        release_openmp_workers()
         with self._between_steps():
             if self._device.type == "cuda" and self.owns_weights:
                 self._parked.restore()
