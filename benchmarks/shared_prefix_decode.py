@@ -26,6 +26,7 @@ import asyncio
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,16 +38,45 @@ from agentrl.rollout.engines.shared_prefix_attention import plan_shared_prefix
 from agentrl.types import SamplingParams
 
 
+def _time_forms(
+    forms: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]],
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    repeats: int,
+) -> dict[str, float]:
+    """Milliseconds of each form over every layer's cache (medians of 5 runs of `repeats`, the forms taking turns),
+    after checking that the shared form gives the plain one's output."""
+    torch.testing.assert_close(forms["shared"](keys[0], values[0]), forms["plain"](keys[0], values[0]))
+    runs: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(5):
+        for name, form in forms.items():
+            start = time.perf_counter()
+            for _ in range(repeats):
+                for k, v in zip(keys, values, strict=True):
+                    form(k, v)
+            runs[name].append((time.perf_counter() - start) * 1000 / repeats)
+    return {name: statistics.median(times) for name, times in runs.items()}
+
+
+def _caches(
+    args: argparse.Namespace, reach: int, group_of_slot: torch.Tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`--layers` layers' keys and values at tiny:qwen2's head shape, slot i's first `--prefix` positions those of
+    the first slot of its group (`group_of_slot[i]`), as copies of a parked prefix are."""
+    shape = (args.rows, 2, reach + 64, 32)
+    keys = [torch.randn(shape) for _ in range(args.layers)]
+    values = [torch.randn(shape) for _ in range(args.layers)]
+    for cache in keys + values:
+        cache[:, :, : args.prefix] = cache[group_of_slot, :, : args.prefix]
+    return keys, values
+
+
 def attention_ms(args: argparse.Namespace) -> dict[str, float]:
     """Milliseconds of `--layers` layers' decode attention, plain and shared (medians of 5 runs of 100 steps)."""
     torch.manual_seed(0)
     rows, kv_heads, query_rows, head = args.rows, 2, 2, 32
     reach = args.prefix + args.own
-    shape = (rows, kv_heads, reach + 64, head)
-    keys = [torch.randn(shape) for _ in range(args.layers)]
-    values = [torch.randn(shape) for _ in range(args.layers)]
-    for cache in keys + values:
-        cache[:, :, : args.prefix] = cache[torch.arange(rows) % args.groups, :, : args.prefix]
+    keys, values = _caches(args, reach, torch.arange(rows) % args.groups)
     prompts = [[g] * args.prefix for g in range(args.groups)]
     hashes = [tuple(block_hashes(prompts[r % args.groups] + [r] * BLOCK_TOKENS)) for r in range(rows)]
     plan = plan_shared_prefix(list(range(rows)), hashes, rows, BLOCK_TOKENS, torch.device("cpu"))
@@ -59,16 +89,7 @@ def attention_ms(args: argparse.Namespace) -> dict[str, float]:
         "plain": lambda k, v: decode_attention(query, k[:, :, :reach], v[:, :, :reach], mask, 0.17),
         "shared": lambda k, v: plan.attend(query, k, v, mask, 0.17),
     }
-    torch.testing.assert_close(forms["shared"](keys[0], values[0]), forms["plain"](keys[0], values[0]))
-    runs: dict[str, list[float]] = {name: [] for name in forms}
-    for _ in range(5):
-        for name, form in forms.items():
-            start = time.perf_counter()
-            for _ in range(100):
-                for k, v in zip(keys, values, strict=True):
-                    form(k, v)
-            runs[name].append((time.perf_counter() - start) * 10)
-    return {name: statistics.median(times) for name, times in runs.items()}
+    return _time_forms(forms, keys, values, repeats=100)
 
 
 def prefill_attention_ms(args: argparse.Namespace) -> dict[str, float]:
@@ -76,12 +97,8 @@ def prefill_attention_ms(args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(0)
     rows, kv_heads, query_heads, head = args.rows, 2, 2, 32
     reach = args.prefix + args.suffix
-    shape = (rows, kv_heads, reach + 64, head)
-    keys = [torch.randn(shape) for _ in range(args.layers)]
-    values = [torch.randn(shape) for _ in range(args.layers)]
     group_of_slot = torch.randint(0, args.groups, (rows,))
-    for cache in keys + values:
-        cache[:, :, : args.prefix] = cache[group_of_slot, :, : args.prefix]
+    keys, values = _caches(args, reach, group_of_slot)
     row_slots = torch.randperm(rows)
     prompts = [[g] * args.prefix for g in range(args.groups)]
     hashes = [tuple(block_hashes(prompts[group_of_slot[slot]])) for slot in row_slots.tolist()]
@@ -107,16 +124,7 @@ def prefill_attention_ms(args: argparse.Namespace) -> dict[str, float]:
         "plain": plain,
         "shared": lambda k, v: plan.attend_prefill(query, k, v, own_mask, 0.17, row_slots),
     }
-    torch.testing.assert_close(forms["shared"](keys[0], values[0]), forms["plain"](keys[0], values[0]))
-    runs: dict[str, list[float]] = {name: [] for name in forms}
-    for _ in range(5):
-        for name, form in forms.items():
-            start = time.perf_counter()
-            for _ in range(10):
-                for k, v in zip(keys, values, strict=True):
-                    form(k, v)
-            runs[name].append((time.perf_counter() - start) * 100)
-    return {name: statistics.median(times) for name, times in runs.items()}
+    return _time_forms(forms, keys, values, repeats=10)
 
 
 async def _wave(engine: EmbeddedEngine, prompts: list[list[int]], params: SamplingParams) -> list[float]:
