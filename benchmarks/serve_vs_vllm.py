@@ -192,7 +192,7 @@ def main() -> None:
     p.add_argument(
         "--agentrl-flags",
         default="",
-        help="more flags for `agentrl serve`, one string (e.g. '--enforce-eager')",
+        help="more flags for `agentrl serve`, one string, given with '=' (--agentrl-flags=--enforce-eager)",
     )
     args = p.parse_args()
     args.served_name = args.model

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-
-logger = logging.getLogger(__name__)
 
 OMP_PAUSE_SOFT = 1
 
