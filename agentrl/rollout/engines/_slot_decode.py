@@ -400,6 +400,9 @@ def layer_output(
 
 
 PLAIN_REGIONS = DecodeRegions(decode_inputs, slot_layer)
+TRIM_LAST_LAYER = True
+"""Whether `prefill_slots`' last layer computes only the rows' last tokens past its cache write (False: every
+token, as before; `benchmarks/last_layer_prefill.py` times both)."""
 
 
 @torch.inference_mode()
@@ -427,6 +430,11 @@ def prefill_slots(
     `decode_step`'s. `shared`: how the rows (as its slots) share a prefix they all hold already
     (`plan_shared_prefix` over their cached parts): each group's queries attend over one row's copy of it
     without a mask, and over their own positions past it under the mask (`SharedPrefix.attend_prefill`).
+
+    The last layer writes every token's keys and values but computes the rest (attention, output projection,
+    MLP) for each row's last token only, the one whose logits are returned: vLLM and transformers run it for
+    every token and keep the last. For `tiny:qwen2` (4 layers) that is a quarter of the forward; a 24-layer
+    model's 1/24 (`benchmarks/last_layer_prefill.py`).
     """
     inner = text_model(model)
     shape = KVShape.of(model)
@@ -455,14 +463,25 @@ def prefill_slots(
     query_positions = start_of_row.unsqueeze(1) + torch.arange(widest, device=device).unsqueeze(0)
     visible = torch.arange(span, device=device).view(1, 1, span) <= query_positions.unsqueeze(2)
     hidden = inner.embed_tokens(ids.unsqueeze(0))  # (1, N, H)
-    mask = _grouped_mask(visible if shared is None else visible[..., shared.length :], groups, hidden.dtype)
+    every_token = _PrefillQueries(
+        row_of, offset, widest, _prefill_mask(visible, groups, hidden.dtype, shared)
+    )
+    each_row = torch.arange(rows, device=device)
+    last_visible = visible[each_row, offset.index_select(0, last)].unsqueeze(1)  # (rows, 1, span)
+    last_only = _PrefillQueries(
+        each_row, torch.zeros_like(each_row), 1, _prefill_mask(last_visible, groups, hidden.dtype, shared)
+    )
     rope = positions.unsqueeze(0)
     if vision is not None:
         hidden[0, vision.mask] = vision.embeds.to(hidden.dtype)
         rope = vision.rope_positions.unsqueeze(1)  # (3, 1, N)
     cos, sin = _rotary(model, hidden, rope)  # (1, N, D)
     cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # (N, 1, D)
-    for index, layer in enumerate(inner.layers):
+    layers = inner.layers
+    # The last layer computes the rows' last tokens only, unless an image's features are added after it.
+    trims = TRIM_LAST_LAYER and (vision is None or len(vision.deepstack) < len(layers))
+    trim_at = len(layers) - 1 if trims else len(layers)
+    for index, layer in enumerate(layers):
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)[0]
         fused_layer = None if fused is None else fused[index]
@@ -475,26 +494,52 @@ def prefill_slots(
         v = v.view(total, shape.kv_heads, shape.head_dim)
         keys[index][slot_of, :, positions] = k
         values[index][slot_of, :, positions] = v
-        padded = q.new_zeros(rows, widest, heads, shape.head_dim)
-        padded[row_of, offset] = q
+        queries = every_token
+        if index == trim_at:
+            queries, q, hidden = last_only, q.index_select(0, last), hidden.index_select(1, last)
+        computed, width = q.shape[0], queries.width
+        padded = q.new_zeros(rows, width, heads, shape.head_dim)
+        padded[queries.row_of, queries.offset] = q
         # Grouped-query attention without repeating keys: a kv head's query heads act as its query rows.
-        grouped = padded.permute(0, 2, 1, 3).reshape(rows, shape.kv_heads, groups * widest, shape.head_dim)
+        grouped = padded.permute(0, 2, 1, 3).reshape(rows, shape.kv_heads, groups * width, shape.head_dim)
         if shared is not None:
-            out = shared.attend_prefill(grouped, keys[index], values[index], mask, attn.scaling, slot_of_row)
+            out = shared.attend_prefill(
+                grouped, keys[index], values[index], queries.mask, attn.scaling, slot_of_row
+            )
         else:
             out = F.scaled_dot_product_attention(
                 grouped,
                 keys[index][:, :, :span].index_select(0, slot_of_row),
                 values[index][:, :, :span].index_select(0, slot_of_row),
-                attn_mask=mask,
+                attn_mask=queries.mask,
                 scale=attn.scaling,
             )
-        out = out.reshape(rows, heads, widest, shape.head_dim).permute(0, 2, 1, 3)[row_of, offset]
-        hidden = hidden + attn.o_proj(out.reshape(1, total, heads * shape.head_dim))
+        out = out.reshape(rows, heads, width, shape.head_dim).permute(0, 2, 1, 3)
+        out = out[queries.row_of, queries.offset]
+        hidden = hidden + attn.o_proj(out.reshape(1, computed, heads * shape.head_dim))
         hidden = hidden + mlp_output(layer.mlp, layer.post_attention_layernorm(hidden), fused_layer)
         if vision is not None and index < len(vision.deepstack):
             hidden[0, vision.mask] += vision.deepstack[index].to(hidden.dtype)
-    return model.lm_head(inner.norm(hidden[0].index_select(0, last)))
+    last_tokens = hidden[0] if trim_at < len(layers) else hidden[0].index_select(0, last)
+    return model.lm_head(inner.norm(last_tokens))
+
+
+class _PrefillQueries(NamedTuple):
+    """Which tokens a layer of `prefill_slots` computes queries for, laid out as its attention pads them: token
+    i at (row_of[i], offset[i]) of (rows, width), and the additive mask of those query rows."""
+
+    row_of: torch.Tensor
+    offset: torch.Tensor
+    width: int
+    mask: torch.Tensor
+
+
+def _prefill_mask(
+    visible: torch.Tensor, groups: int, dtype: torch.dtype, shared: SharedPrefix | None
+) -> torch.Tensor:
+    """`prefill_slots`' additive mask of (rows, width, span) `visible`; over the positions past the shared
+    prefix only where `shared` reads that prefix without one."""
+    return _grouped_mask(visible if shared is None else visible[..., shared.length :], groups, dtype)
 
 
 def extend_inputs(

@@ -7,7 +7,7 @@ itself runs only on a GPU: tests/gpu/test_slot_engine.py)."""
 import pytest
 import torch
 
-from agentrl.rollout.engines import flash_attention
+from agentrl.rollout.engines import _slot_decode, flash_attention
 from agentrl.rollout.engines._flash_extend import (
     WIDTH,
     flash_extend_step,
@@ -132,6 +132,45 @@ def test_prefill_then_extend_then_decode_equal_one_forward(model, extend_with, m
         logits = decode_step(model, keys, values, ids, positions, span=max(at) + step + 1)
         for i, row in enumerate(rows):
             torch.testing.assert_close(logits[i], _reference(model, row)[at[i] + step], atol=1e-5, rtol=0)
+
+
+def test_the_packed_prefills_last_layer_computes_only_each_rows_last_token(model, monkeypatch):
+    """Its keys and values are written for every token (the decode steps after it read them), the rest only for
+    the token whose logits come out: the same logits and cache as the whole layer, a third of its MLP rows."""
+    torch.manual_seed(3)
+    slots, starts = [1, 3, 0], [4, 0, 9]
+    prompts = [
+        torch.randint(0, 80, (start + n,)).tolist() for start, n in zip(starts, (7, 3, 5), strict=True)
+    ]
+    mlp_rows: list[int] = []
+    hook = model.model.layers[-1].mlp.register_forward_pre_hook(
+        lambda _, args: mlp_rows.append(args[0].shape[-2])
+    )
+    results = {}
+    try:
+        for trim in (True, False):
+            monkeypatch.setattr(_slot_decode, "TRIM_LAST_LAYER", trim)
+            keys, values = _cache(model)
+            heads = [p[:s] for p, s in zip(prompts, starts, strict=True) if s]
+            prefill_slots(model, keys, values, [1, 0], [0, 0], heads)  # the cached parts first
+            mlp_rows.clear()
+            chunks = [p[s:] for p, s in zip(prompts, starts, strict=True)]
+            results[trim] = (
+                prefill_slots(model, keys, values, slots, starts, chunks),
+                keys,
+                values,
+                mlp_rows[:],
+            )
+    finally:
+        hook.remove()
+    (trimmed, *trimmed_cache, trimmed_rows), (whole, *whole_cache, whole_rows) = results[True], results[False]
+    assert (trimmed_rows, whole_rows) == ([3], [15])
+    torch.testing.assert_close(trimmed, whole, atol=1e-6, rtol=0)
+    (trimmed_keys, trimmed_values), (whole_keys, whole_values) = trimmed_cache, whole_cache
+    for ours, theirs in zip(trimmed_keys + trimmed_values, whole_keys + whole_values, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(trimmed[i], _reference(model, prompt)[-1], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("lengths", [[150, 1, 64], [64, 65, 127, 128, 129], [3] * 9, [300]])
