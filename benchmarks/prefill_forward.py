@@ -9,7 +9,7 @@ replay: captures and input copies are host work, not counted). A first-turn case
 prompts of that many tokens instead (no cached history).
 
     python benchmarks/prefill_forward.py --model tiny:qwen2.5-0.5b-shape --rows 4 8 16 32 64 --new 48 \\
-        --first 256 [--attention flash]
+        --first 256 [--attention flash] [--whole-last-layer]
 
 Prints one JSON line per case: rows, tokens a forward, forwards, milliseconds a forward, tokens/s.
 """
@@ -23,7 +23,7 @@ import random
 import torch
 
 from agentrl.models import load_causal_lm
-from agentrl.rollout.engines import flash_attention
+from agentrl.rollout.engines import _slot_decode, flash_attention
 from agentrl.rollout.engines._slot_batch import SlotBatch
 
 
@@ -54,7 +54,13 @@ def main() -> None:
         default="split",
         help="the cache attention: the Triton split kernel (the engine's own where Triton is) or FlashAttention's",
     )
+    parser.add_argument(
+        "--whole-last-layer",
+        action="store_true",
+        help="compute the last layer for every token, not only each row's last (`_slot_decode.TRIM_LAST_LAYER`)",
+    )
     args = parser.parse_args()
+    _slot_decode.TRIM_LAST_LAYER = not args.whole_last_layer
     if args.attention == "flash":
         flash_attention.split_attention_available = lambda: False
     rng = random.Random(args.seed)
@@ -66,6 +72,7 @@ def main() -> None:
             {
                 "torch": torch.__version__,
                 "attention": args.attention,
+                "last_layer": "every token" if args.whole_last_layer else "last tokens",
                 "compile_s": round(batch.compile_now(), 1),
             }
         )

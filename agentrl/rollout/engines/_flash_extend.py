@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from agentrl.rollout.engines import _slot_decode
 from agentrl.rollout.engines._fused_projections import LayerFused
 from agentrl.rollout.engines._slot_decode import (
     DecodeRegions,
@@ -57,26 +58,20 @@ def flash_extend_inputs(
     return hidden, inner.layers[0].input_layernorm(hidden), cos.unsqueeze(1), sin.unsqueeze(1)
 
 
-def flash_cache_part(
+def write_cache(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    positions: torch.Tensor,
-    rows: FlashRows,
-    scale: float,
     cache_rows: torch.Tensor,
 ) -> torch.Tensor:
-    """A layer's part that touches the cache (as `cache_attention` is for `extend_step`): write each token's key
-    and value where `cache_rows` says (`cache_rows_of`: one indexed copy each), attend over the rows' slots;
-    (R, W, heads x D)."""
+    """Write each token's key and value (R, kv heads, W, D) where `cache_rows` says (`cache_rows_of`: one indexed
+    copy each); the queries (R, heads, W, D) as the attention takes them, (tokens, heads, D)."""
     widths, heads, width, head_dim = q.shape
-    tokens = widths * width
     keys.view(-1, head_dim).index_copy_(0, cache_rows, k.transpose(1, 2).reshape(-1, head_dim))
     values.view(-1, head_dim).index_copy_(0, cache_rows, v.transpose(1, 2).reshape(-1, head_dim))
-    out = flash_cache_attention(q.transpose(1, 2).reshape(tokens, heads, head_dim), keys, values, rows, scale)
-    return out.view(widths, width, heads * head_dim)
+    return q.transpose(1, 2).reshape(widths * width, heads, head_dim)
 
 
 def flash_layer(
@@ -95,13 +90,15 @@ def flash_layer(
     cache_rows: torch.Tensor,
     projections: Callable[..., tuple[torch.Tensor, ...]] = layer_projections,
     output: Callable[..., tuple[torch.Tensor, torch.Tensor]] = layer_output,
+    only: tuple[torch.Tensor, FlashRows] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer of `flash_extend_step` (`slot_layer`'s signature, so `through_layers` runs it). Where
     `rotary_write` serves it (CUDA, plain projections): the three projections as one matrix multiply (by the
     `fused` weight, else by the three concatenated in this forward), then one kernel adds their biases, rotates,
-    writes the cache and lays the queries out; else `projections` and `flash_cache_part`'s writes. Then the
-    attention over the rows' slots and the `output` part. `projections` and `output` are the compiled parts
-    under `compiled_flash_extend_step`."""
+    writes the cache and lays the queries out; else `projections` and `write_cache`. Then the attention over the
+    rows' slots and the `output` part. `projections` and `output` are the compiled parts under
+    `compiled_flash_extend_step`. `only`: (flat token indices, `last_token_rows` of them): every token's keys and
+    values are written, the rest computed for those tokens only, (R, 1, H) out (the last layer's)."""
     attn = layer.self_attn
     if rotary_write_takes(attn, head_dim, x.device):
         linears = (attn.q_proj, attn.k_proj, attn.v_proj)
@@ -111,11 +108,26 @@ def flash_layer(
         heads = attn.q_proj.out_features // head_dim
         cos, sin = cos.reshape(-1, head_dim), sin.reshape(-1, head_dim)
         q = rotary_write(qkv, biases, cos, sin, cache_rows, keys, values, heads)
-        out = flash_cache_attention(q, keys, values, rows, attn.scaling).view(*hidden.shape[:2], -1)
     else:
-        q, k, v = projections(layer, x, cos, sin, head_dim, fused)
-        out = flash_cache_part(q, k, v, keys, values, positions, rows, attn.scaling, cache_rows)
+        q = write_cache(*projections(layer, x, cos, sin, head_dim, fused), keys, values, cache_rows)
+    if only is not None:
+        tokens, rows = only
+        q = q.index_select(0, tokens)
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, tokens).unsqueeze(1)
+    out = flash_cache_attention(q, keys, values, rows, attn.scaling).view(*hidden.shape[:2], -1)
     return output(layer, following_norm, hidden, out, fused)
+
+
+def last_token_rows(
+    token_slots: torch.Tensor, positions: torch.Tensor, last: torch.Tensor, kv_heads: int, length: int
+) -> FlashRows:
+    """`FlashRows` of one query a row, the token at flat index `last[r]`, over its slot up to its own position:
+    made on the device from the step's inputs (a few small kernels, inside its graph)."""
+    slots = token_slots.reshape(-1).index_select(0, last)
+    reach = positions.reshape(-1).index_select(0, last) + 1
+    cu_q = torch.arange(last.shape[0] + 1, dtype=torch.int32, device=last.device)
+    cu_k = torch.cat([slots * (kv_heads * length), slots.new_zeros(1)]).to(torch.int32)
+    return FlashRows(cu_q, cu_k, reach.to(torch.int32), 1, length)
 
 
 def cache_rows_of(token_slots: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -146,10 +158,33 @@ def flash_extend_step(
     regions = regions or PLAIN_FLASH_REGIONS
     hidden, x, cos, sin = regions.inputs(model, token_ids, positions, None, 0)
     cache_rows = cache_rows_of(token_slots, positions, keys[0])
-    x = through_layers(
-        model, regions, keys, values, hidden, x, cos, sin, positions, rows, cache_rows, fused=fused
+    inner = text_model(model)
+    every = len(inner.layers) - _slot_decode.TRIM_LAST_LAYER
+    hidden, x = through_layers(
+        model,
+        regions,
+        keys,
+        values,
+        hidden,
+        x,
+        cos,
+        sin,
+        positions,
+        rows,
+        cache_rows,
+        fused=fused,
+        stop=every,
     )
-    return model.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, last))
+    if every == len(inner.layers):
+        return model.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, last))
+    # The last layer: every token's keys and values, the rest for the rows' last tokens (`prefill_slots`' too).
+    _, kv_heads, length, head_dim = keys[0].shape
+    only = (last, last_token_rows(token_slots, positions, last, kv_heads, length))
+    _, x = regions.layer(
+        inner.layers[-1], inner.norm, hidden, x, cos, sin, keys[-1], values[-1], positions, rows, head_dim,
+        None if fused is None else fused[-1], cache_rows, only=only,
+    )  # fmt: skip
+    return model.lm_head(x.reshape(-1, x.shape[-1]))
 
 
 PLAIN_FLASH_REGIONS = DecodeRegions(flash_extend_inputs, flash_layer)

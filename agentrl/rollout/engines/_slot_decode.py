@@ -262,7 +262,7 @@ def decode_step(
     hidden, x, cos, sin, visible = regions.inputs(model, token_ids, positions, rope_offsets, length)
     if shared is not None:
         visible = SharedPrefixMask(visible, shared)
-    x = through_layers(model, regions, keys, values, hidden, x, cos, sin, positions, visible, fused=fused)
+    _, x = through_layers(model, regions, keys, values, hidden, x, cos, sin, positions, visible, fused=fused)
     return model.lm_head(x)[:, 0]
 
 
@@ -279,22 +279,24 @@ def through_layers(
     visible: object,
     *slots: torch.Tensor,
     fused: list[LayerFused] | None = None,
-) -> torch.Tensor:
-    """Every decoder layer of a step (`regions.layer` on each layer's cache); the last layer's output through
-    the final norm. `visible`: what the layer's cache part reads to know which positions each row sees (a mask,
-    or `_flash_extend`'s `FlashRows`); `slots`: `extend_step`'s slot of each row, or `flash_extend_step`'s
-    cache rows of each token (`cache_rows_of`); `fused`: each layer's concatenated projection weights
+    stop: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layers of a step before `stop` (default: all), `regions.layer` on each layer's cache; the
+    residual stream and it through the next layer's input norm (after the last layer, the final norm).
+    `visible`: what the layer's cache part reads to know which positions each row sees (a mask, or
+    `_flash_extend`'s `FlashRows`); `slots`: `extend_step`'s slot of each row, or `flash_extend_step`'s cache
+    rows of each token (`cache_rows_of`); `fused`: each layer's concatenated projection weights
     (`FusedProjections.layers`), or None to multiply by the modules' own."""
     head_dim = KVShape.of(model).head_dim
     inner = text_model(model)
     layers = inner.layers
-    for index, layer in enumerate(layers):
+    for index, layer in enumerate(layers[:stop]):
         following = layers[index + 1].input_layernorm if index + 1 < len(layers) else inner.norm
         hidden, x = regions.layer(
             layer, following, hidden, x, cos, sin, keys[index], values[index], positions, visible, head_dim,
             None if fused is None else fused[index], *slots,
         )  # fmt: skip
-    return x
+    return hidden, x
 
 
 def slot_layer(
@@ -401,8 +403,11 @@ def layer_output(
 
 PLAIN_REGIONS = DecodeRegions(decode_inputs, slot_layer)
 TRIM_LAST_LAYER = True
-"""Whether `prefill_slots`' last layer computes only the rows' last tokens past its cache write (False: every
-token, as before; `benchmarks/last_layer_prefill.py` times both)."""
+"""Whether the prefill forwards' last layer (`prefill_slots`', `flash_extend_step`'s) computes only the rows' last
+tokens past its cache write (False: every token, as before). On 2 CPU cores `tiny:qwen2`'s prefill of 32 rows took
+1.18x less time (`benchmarks/last_layer_prefill.py`); on an H200 the 0.5B shape's forwards of up to 768 tokens
+took the same time either way (the layer's multiplies over 16 rows are bound by reading its weights, as over
+576 tokens) and 2.5-3.5% less from 1,536 tokens up (`benchmarks/prefill_forward.py --whole-last-layer`)."""
 
 
 @torch.inference_mode()
@@ -589,7 +594,7 @@ def extend_step(
     """
     regions = regions or PLAIN_EXTEND_REGIONS
     hidden, x, cos, sin, mask = regions.inputs(model, token_ids, positions, rope_offsets, span)
-    x = through_layers(
+    _, x = through_layers(
         model, regions, keys, values, hidden, x, cos, sin, positions, mask, slot_ids, fused=fused
     )
     return model.lm_head(x[torch.arange(x.shape[0], device=x.device), last])

@@ -82,6 +82,18 @@ def reference_rotary_write(qkv, biases, cos, sin, cache_rows, keys, values, head
     return q
 
 
+def _flash_forward(model, keys, values, runs: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+    """`flash_extend_step` over `runs` (slot, first position, tokens) as the engine packs them, with one row more
+    than the runs (an empty sequence) and 3 x WIDTH tokens (the padding in three sequences); the runs' logits."""
+    bucket, total = len(runs) + 1, 3 * WIDTH
+    inputs, sequences = packed_rows(runs, total, bucket, KVShape.of(model).kv_heads, LENGTH, LENGTH - 1)
+    where = FlashRows.empty(flash_sequences(total, bucket), WIDTH, LENGTH, torch.device("cpu"))
+    where.fill_(sequences)
+    ids, positions, token_slots, last = inputs.split([total, total, total, bucket])
+    shaped = (t.view(-1, WIDTH) for t in (token_slots, ids, positions))
+    return flash_extend_step(model, keys, values, *shaped, last, where)[: len(runs)]
+
+
 @pytest.mark.parametrize("extend_with", ["extend_step", "prefill_slots", "flash_extend_step"])
 def test_prefill_then_extend_then_decode_equal_one_forward(model, extend_with, monkeypatch):
     torch.manual_seed(1)
@@ -102,17 +114,7 @@ def test_prefill_then_extend_then_decode_equal_one_forward(model, extend_with, m
         second = extend_step(model, keys, values, torch.tensor(slots), tokens, positions, last, span=LENGTH)
     elif extend_with == "flash_extend_step":
         monkeypatch.setattr(flash_attention, "varlen_kernel", reference_varlen_kernel)
-        shape = KVShape.of(model)
-        runs = list(zip(slots, head, chunks, strict=True))
-        # one row more than the runs (an empty sequence), 3 x WIDTH tokens (the padding in three sequences)
-        bucket, total = 4, 3 * WIDTH
-        inputs, sequences = packed_rows(runs, total, bucket, shape.kv_heads, LENGTH, LENGTH - 1)
-        count = flash_sequences(total, bucket)
-        where = FlashRows.empty(count, WIDTH, LENGTH, torch.device("cpu"))
-        where.fill_(sequences)
-        ids, positions, token_slots, last = inputs.split([total, total, total, bucket])
-        shaped = (t.view(-1, WIDTH) for t in (token_slots, ids, positions))
-        second = flash_extend_step(model, keys, values, *shaped, last, where)[: len(rows)]
+        second = _flash_forward(model, keys, values, list(zip(slots, head, chunks, strict=True)))
         assert not any(cache.isnan().any() for cache in (*keys, *values))  # the padding's rows were computed
     else:
         second = prefill_slots(model, keys, values, slots, head, chunks)
@@ -134,9 +136,12 @@ def test_prefill_then_extend_then_decode_equal_one_forward(model, extend_with, m
             torch.testing.assert_close(logits[i], _reference(model, row)[at[i] + step], atol=1e-5, rtol=0)
 
 
-def test_the_packed_prefills_last_layer_computes_only_each_rows_last_token(model, monkeypatch):
+@pytest.mark.parametrize("forward", ["prefill_slots", "flash_extend_step"])
+def test_a_prefills_last_layer_computes_only_each_rows_last_token(model, forward, monkeypatch):
     """Its keys and values are written for every token (the decode steps after it read them), the rest only for
-    the token whose logits come out: the same logits and cache as the whole layer, a third of its MLP rows."""
+    the token whose logits come out: the same logits and cache as the whole layer, its MLP over one token a row
+    (the flash forward's rows include its padding row)."""
+    monkeypatch.setattr(flash_attention, "varlen_kernel", reference_varlen_kernel)
     torch.manual_seed(3)
     slots, starts = [1, 3, 0], [4, 0, 9]
     prompts = [
@@ -144,7 +149,7 @@ def test_the_packed_prefills_last_layer_computes_only_each_rows_last_token(model
     ]
     mlp_rows: list[int] = []
     hook = model.model.layers[-1].mlp.register_forward_pre_hook(
-        lambda _, args: mlp_rows.append(args[0].shape[-2])
+        lambda _, args: mlp_rows.append(args[0].shape[:-1].numel())
     )
     results = {}
     try:
@@ -155,8 +160,12 @@ def test_the_packed_prefills_last_layer_computes_only_each_rows_last_token(model
             prefill_slots(model, keys, values, [1, 0], [0, 0], heads)  # the cached parts first
             mlp_rows.clear()
             chunks = [p[s:] for p, s in zip(prompts, starts, strict=True)]
+            if forward == "prefill_slots":
+                logits = prefill_slots(model, keys, values, slots, starts, chunks)
+            else:
+                logits = _flash_forward(model, keys, values, list(zip(slots, starts, chunks, strict=True)))
             results[trim] = (
-                prefill_slots(model, keys, values, slots, starts, chunks),
+                logits,
                 keys,
                 values,
                 mlp_rows[:],
@@ -164,7 +173,8 @@ def test_the_packed_prefills_last_layer_computes_only_each_rows_last_token(model
     finally:
         hook.remove()
     (trimmed, *trimmed_cache, trimmed_rows), (whole, *whole_cache, whole_rows) = results[True], results[False]
-    assert (trimmed_rows, whole_rows) == ([3], [15])
+    last_tokens, every_token = (3, 15) if forward == "prefill_slots" else (4, 3 * WIDTH)
+    assert (trimmed_rows, whole_rows) == ([last_tokens], [every_token])
     torch.testing.assert_close(trimmed, whole, atol=1e-6, rtol=0)
     (trimmed_keys, trimmed_values), (whole_keys, whole_values) = trimmed_cache, whole_cache
     for ours, theirs in zip(trimmed_keys + trimmed_values, whole_keys + whole_values, strict=True):
