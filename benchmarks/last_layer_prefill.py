@@ -17,21 +17,19 @@ Two measurements, the two forms taking turns in one process:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
-from shared_prefix_decode import _wave  # this folder is on the path when a benchmark runs as a script
+from shared_prefix_decode import engine_waves  # this folder is on the path when a benchmark runs as a script
 
 from agentrl.models import load_causal_lm
 from agentrl.rollout.engines import _slot_decode
 from agentrl.rollout.engines._prefix_cache import BLOCK_TOKENS, block_hashes
 from agentrl.rollout.engines._slot_decode import KVShape, prefill_slots
-from agentrl.rollout.engines.embedded import build_embedded_engine
 from agentrl.rollout.engines.shared_prefix_attention import plan_shared_prefix
-from agentrl.types import SamplingParams
 
 FORMS = {"every token": False, "last tokens": True}
 
@@ -72,36 +70,11 @@ def forward_ms(args: argparse.Namespace) -> dict[str, float]:
     return {name: statistics.median(times) for name, times in runs.items()}
 
 
-def engine_waves(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
-    """(median of the waves' mean time to first token ms, median wave ms) in each form."""
-    engine = build_embedded_engine(args.model, max_model_len=1024, max_num_seqs=args.rows)
-    rng = random.Random(1)
-    vocab = min(engine.vocab_size, 2000)
-    prefixes = [[rng.randrange(10, vocab) for _ in range(args.prefix)] for _ in range(args.groups)]
-    params = SamplingParams(max_tokens=args.output, ignore_eos=True)
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in FORMS}
+def _trims(trim: bool) -> Callable[[object], None]:
+    def set_up(_: object) -> None:
+        _slot_decode.TRIM_LAST_LAYER = trim
 
-    async def waves() -> None:
-        for wave in range(2 + 2 * args.waves):
-            name = list(FORMS)[wave % 2]
-            _slot_decode.TRIM_LAST_LAYER = FORMS[name]
-            prompts = [
-                rng.choice(prefixes) + [rng.randrange(10, vocab) for _ in range(args.suffix)]
-                for _ in range(args.rows)
-            ]
-            start = time.perf_counter()
-            firsts = await _wave(engine, prompts, params)
-            if wave >= 2:
-                results[name].append((statistics.mean(firsts) * 1000, (time.perf_counter() - start) * 1000))
-
-    try:
-        asyncio.run(waves())
-    finally:
-        engine.close()
-    return {
-        name: (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
-        for name, runs in results.items()
-    }
+    return set_up
 
 
 def main() -> None:
@@ -119,7 +92,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     # The engine first: torch calls on this thread before it made the engine's thread slower
     # (benchmarks/shared_prefix_decode.py).
-    waves = engine_waves(args)
+    waves = engine_waves(args, {name: _trims(trim) for name, trim in FORMS.items()})
     forward = forward_ms(args)
     print(f"{args.model}, {args.threads} torch thread(s), {args.rows} rows of {args.suffix} new tokens")
     print("| | every token | last tokens only | ratio |\n| --- | ---: | ---: | ---: |")

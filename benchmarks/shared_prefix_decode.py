@@ -137,19 +137,22 @@ async def _wave(engine: EmbeddedEngine, prompts: list[list[int]], params: Sampli
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def engine_waves(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
-    """(median time to first token ms, median wave ms) with the shared prefix read once and per row."""
+def engine_waves(
+    args: argparse.Namespace, forms: dict[str, Callable[[EmbeddedEngine], None]]
+) -> dict[str, tuple[float, float]]:
+    """(median of the waves' mean time to first token ms, median wave ms) for each form, which sets the engine up
+    before each of its waves (the forms take turns, two unmeasured waves first)."""
     engine = build_embedded_engine(args.model, max_model_len=1024, max_num_seqs=args.rows)
     rng = random.Random(1)
     vocab = min(engine.vocab_size, 2000)
     prefixes = [[rng.randrange(10, vocab) for _ in range(args.prefix)] for _ in range(args.groups)]
     params = SamplingParams(max_tokens=args.output, ignore_eos=True)
-    results: dict[str, list[tuple[float, float]]] = {"plain": [], "shared": []}
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in forms}
 
     async def waves() -> None:
-        for wave in range(2 + 2 * args.waves):
-            form = "shared" if wave % 2 else "plain"
-            engine._batch._shares_prefixes = form == "shared"
+        for wave in range(2 + len(forms) * args.waves):
+            name = list(forms)[wave % len(forms)]
+            forms[name](engine)
             prompts = [
                 rng.choice(prefixes) + [rng.randrange(10, vocab) for _ in range(args.suffix)]
                 for _ in range(args.rows)
@@ -157,16 +160,23 @@ def engine_waves(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
             start = time.perf_counter()
             firsts = await _wave(engine, prompts, params)
             if wave >= 2:
-                results[form].append((statistics.mean(firsts) * 1000, (time.perf_counter() - start) * 1000))
+                results[name].append((statistics.mean(firsts) * 1000, (time.perf_counter() - start) * 1000))
 
     try:
         asyncio.run(waves())
     finally:
         engine.close()
     return {
-        form: (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
-        for form, runs in results.items()
+        name: (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+        for name, runs in results.items()
     }
+
+
+def _shares_prefixes(shared: bool) -> Callable[[EmbeddedEngine], None]:
+    def set_up(engine: EmbeddedEngine) -> None:
+        engine._batch._shares_prefixes = shared
+
+    return set_up
 
 
 def main() -> None:
@@ -186,7 +196,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     # The engine first: torch calls on this thread before it made the engine's thread ~1.5x slower.
-    waves = engine_waves(args)
+    waves = engine_waves(args, {"plain": _shares_prefixes(False), "shared": _shares_prefixes(True)})
     attention = attention_ms(args)
     prefill = prefill_attention_ms(args)
     print(
