@@ -159,23 +159,12 @@ def flash_extend_step(
     hidden, x, cos, sin = regions.inputs(model, token_ids, positions, None, 0)
     cache_rows = cache_rows_of(token_slots, positions, keys[0])
     inner = text_model(model)
-    every = len(inner.layers) - _slot_decode.TRIM_LAST_LAYER
+    trims = _slot_decode.TRIM_LAST_LAYER
     hidden, x = through_layers(
-        model,
-        regions,
-        keys,
-        values,
-        hidden,
-        x,
-        cos,
-        sin,
-        positions,
-        rows,
-        cache_rows,
-        fused=fused,
-        stop=every,
-    )
-    if every == len(inner.layers):
+        model, regions, keys, values, hidden, x, cos, sin, positions, rows, cache_rows, fused=fused,
+        stop=-1 if trims else None,
+    )  # fmt: skip
+    if not trims:
         return model.lm_head(x.reshape(-1, x.shape[-1]).index_select(0, last))
     # The last layer: every token's keys and values, the rest for the rows' last tokens (`prefill_slots`' too).
     _, kv_heads, length, head_dim = keys[0].shape
