@@ -292,9 +292,8 @@ def test_a_sleeping_engine_and_the_thread_that_wakes_it_give_their_openmp_worker
         async def run():
             await asyncio.gather(*(engine.generate(p, params) for p in long_prompts))
 
-        asyncio.run(
-            run()
-        )  # a prefill of 4,000 tokens: parallel regions, the engine thread's pool of 2 workers
+        # a prefill of 4,000 tokens: parallel regions, the engine thread's pool of 2 workers
+        asyncio.run(run())
         with_pool = _process_threads()
         engine.sleep()
         assert _until(lambda: _process_threads() == with_pool - 2), (with_pool, _process_threads())

@@ -14,9 +14,8 @@ def _threads() -> int:
 
 
 def _parallel_work() -> None:
-    torch.ones(4_000_000).mul_(
-        2
-    ).sum()  # far above ATen's grain size: one parallel region on every torch thread
+    # far above ATen's grain size: one parallel region on every torch thread
+    torch.ones(4_000_000).mul_(2).sum()
 
 
 def test_the_calling_threads_workers_exit_and_come_back_on_the_next_parallel_region():
@@ -47,7 +46,6 @@ def test_the_calling_threads_workers_exit_and_come_back_on_the_next_parallel_reg
     other_done.set()
     keeper.join()
     assert counts["released"] is True
-    assert (
-        counts["after release"] == counts["with both pools"] - 2
-    )  # the caller's two workers, not the other's
+    # the caller's two workers, not the other's
+    assert counts["after release"] == counts["with both pools"] - 2
     assert counts["after new work"] == counts["with both pools"]

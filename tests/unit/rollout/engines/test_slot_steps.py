@@ -151,7 +151,7 @@ def test_a_prefills_last_layer_computes_only_each_rows_last_token(model, forward
     hook = model.model.layers[-1].mlp.register_forward_pre_hook(
         lambda _, args: mlp_rows.append(args[0].shape[:-1].numel())
     )
-    results = {}
+    logits, caches, rows_seen = {}, {}, {}
     try:
         for trim in (True, False):
             monkeypatch.setattr(_slot_decode, "TRIM_LAST_LAYER", trim)
@@ -161,26 +161,21 @@ def test_a_prefills_last_layer_computes_only_each_rows_last_token(model, forward
             mlp_rows.clear()
             chunks = [p[s:] for p, s in zip(prompts, starts, strict=True)]
             if forward == "prefill_slots":
-                logits = prefill_slots(model, keys, values, slots, starts, chunks)
+                logits[trim] = prefill_slots(model, keys, values, slots, starts, chunks)
             else:
-                logits = _flash_forward(model, keys, values, list(zip(slots, starts, chunks, strict=True)))
-            results[trim] = (
-                logits,
-                keys,
-                values,
-                mlp_rows[:],
-            )
+                logits[trim] = _flash_forward(
+                    model, keys, values, list(zip(slots, starts, chunks, strict=True))
+                )
+            caches[trim], rows_seen[trim] = keys + values, mlp_rows[:]
     finally:
         hook.remove()
-    (trimmed, *trimmed_cache, trimmed_rows), (whole, *whole_cache, whole_rows) = results[True], results[False]
     last_tokens, every_token = (3, 15) if forward == "prefill_slots" else (4, 3 * WIDTH)
-    assert (trimmed_rows, whole_rows) == ([last_tokens], [every_token])
-    torch.testing.assert_close(trimmed, whole, atol=1e-6, rtol=0)
-    (trimmed_keys, trimmed_values), (whole_keys, whole_values) = trimmed_cache, whole_cache
-    for ours, theirs in zip(trimmed_keys + trimmed_values, whole_keys + whole_values, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+    assert (rows_seen[True], rows_seen[False]) == ([last_tokens], [every_token])
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-6, rtol=0)
+    for trimmed_cache, whole_cache in zip(caches[True], caches[False], strict=True):
+        torch.testing.assert_close(trimmed_cache, whole_cache, atol=0, rtol=0)
     for i, prompt in enumerate(prompts):
-        torch.testing.assert_close(trimmed[i], _reference(model, prompt)[-1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(logits[True][i], _reference(model, prompt)[-1], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("lengths", [[150, 1, 64], [64, 65, 127, 128, 129], [3] * 9, [300]])
