@@ -46,7 +46,8 @@ def _one_process(args: argparse.Namespace) -> dict:
     """Build the engine's slot batch with `args.mode`'s decode step; time compile, capture and replay."""
     from agentrl.models import load_causal_lm
     from agentrl.models.compile_cache import use_compile_cache
-    from agentrl.rollout.engines._slot_batch import SlotBatch, compiled_decode_step
+    from agentrl.rollout.engines._compiled_steps import compiled_decode_step
+    from agentrl.rollout.engines._slot_batch import SlotBatch
     from agentrl.rollout.engines._slot_decode import DecodeRegions, decode_inputs, decode_step, slot_layer
 
     model = load_causal_lm(args.model, dtype=args.dtype, device=args.device).eval()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from agentrl.models import load_causal_lm, load_tokenizer
-from agentrl.rollout.engines import _slot_batch
+from agentrl.rollout.engines import _compiled_steps, _slot_batch
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.types import SamplingParams
 from tests.gpu._teacher_forcing import worst_logprob_gap
@@ -110,7 +110,7 @@ def test_the_decode_step_compiles_when_the_engine_is_built_not_in_the_first_roll
     extend steps at once (neither falls back to the plain step) and frees the cache it used; the first request
     then only captures a graph."""
     torch._dynamo.reset()
-    _slot_batch._COMPILED.clear()
+    _compiled_steps._COMPILED.clear()
     start = time.perf_counter()
     with caplog.at_level("WARNING", logger=_slot_batch.__name__):
         engine = _engine(model, cuda_graphs=True, compile_decode=True)

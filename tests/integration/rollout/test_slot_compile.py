@@ -11,12 +11,8 @@ from collections.abc import Callable
 import torch
 from torch._dynamo.utils import counters
 
-from agentrl.rollout.engines._slot_batch import (
-    EXTEND_MAX_TOKENS,
-    SlotBatch,
-    compiled_decode_step,
-    compiled_extend_step,
-)
+from agentrl.rollout.engines._compiled_steps import compiled_decode_step, compiled_extend_step
+from agentrl.rollout.engines._slot_batch import EXTEND_MAX_TOKENS, SlotBatch
 from agentrl.rollout.engines._slot_decode import decode_step, extend_step, text_model
 
 
