@@ -13,10 +13,12 @@ Three measurements, each form timed in alternating runs of one process:
   requests, each one of `--groups` prefixes of `--prefix` tokens plus `--suffix` tokens of its own, `--output`
   tokens out, a wave sent once the last finished; time to first token and the wave's time (medians over
   `--waves` waves after two unmeasured), the prefix read once in both the prefill and the decode steps or in
-  neither.
+  neither (`--decode-only`: in the prefill either way); the decode step plain or, `--compile-decode`, compiled
+  as `agentrl serve` runs it.
 
     python benchmarks/shared_prefix_decode.py --threads 2
     python benchmarks/shared_prefix_decode.py --threads 1
+    python benchmarks/shared_prefix_decode.py --threads 2 --compile-decode --decode-only
 """
 
 from __future__ import annotations
@@ -142,7 +144,9 @@ def engine_waves(
 ) -> dict[str, tuple[float, float]]:
     """(median of the waves' mean time to first token ms, median wave ms) for each form, which sets the engine up
     before each of its waves (the forms take turns, two unmeasured waves first)."""
-    engine = build_embedded_engine(args.model, max_model_len=1024, max_num_seqs=args.rows)
+    engine = build_embedded_engine(
+        args.model, max_model_len=1024, max_num_seqs=args.rows, compile_decode=args.compile_decode
+    )
     rng = random.Random(1)
     vocab = min(engine.vocab_size, 2000)
     prefixes = [[rng.randrange(10, vocab) for _ in range(args.prefix)] for _ in range(args.groups)]
@@ -172,9 +176,18 @@ def engine_waves(
     }
 
 
-def _shares_prefixes(shared: bool) -> Callable[[EmbeddedEngine], None]:
+def _shares_prefixes(shared: bool, decode_only: bool) -> Callable[[EmbeddedEngine], None]:
+    """The engine's rows read their shared prefixes once (`shared`) or each row its own copy; with `decode_only`
+    the prefill reads them once either way, and only the decode step differs."""
+
     def set_up(engine: EmbeddedEngine) -> None:
-        engine._batch._shares_prefixes = shared
+        batch = engine._batch
+        if not decode_only:
+            batch._shares_prefixes = shared
+        elif shared:
+            batch.__dict__.pop("_shared_prefix", None)  # the class's planning again
+        else:
+            batch._shared_prefix = lambda bucket: None
 
     return set_up
 
@@ -193,10 +206,26 @@ def main() -> None:
     p.add_argument("--output", type=int, default=32)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--waves", type=int, default=12, help="engine: measured waves of each form")
+    p.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="engine: the decode step through torch.compile, as `agentrl serve` runs it (default: the plain step)",
+    )
+    p.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="engine: both forms' prefills read a shared prefix once; only their decode steps differ",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     # The engine first: torch calls on this thread before it made the engine's thread ~1.5x slower.
-    waves = engine_waves(args, {"plain": _shares_prefixes(False), "shared": _shares_prefixes(True)})
+    waves = engine_waves(
+        args,
+        {
+            "plain": _shares_prefixes(False, args.decode_only),
+            "shared": _shares_prefixes(True, args.decode_only),
+        },
+    )
     attention = attention_ms(args)
     prefill = prefill_attention_ms(args)
     print(
@@ -211,12 +240,13 @@ def main() -> None:
         f"| prefill attention, {args.layers} layers, ms a forward | {prefill['plain']:.3f} | "
         f"{prefill['shared']:.3f} | {prefill['plain'] / prefill['shared']:.2f}x |"
     )
-    for i, what in enumerate(("engine: mean time to first token, ms", "engine: a wave, ms")):
+    engine = f"engine ({'compiled' if args.compile_decode else 'plain'} decode step{', decode only' if args.decode_only else ''})"
+    for i, what in enumerate((f"{engine}: mean time to first token, ms", f"{engine}: a wave, ms")):
         plain, shared = waves["plain"][i], waves["shared"][i]
         print(f"| {what} | {plain:.1f} | {shared:.1f} | {plain / shared:.2f}x |")
     rate = {form: args.rows / (waves[form][1] / 1000) for form in waves}
     print(
-        f"| engine: requests/s | {rate['plain']:.1f} | {rate['shared']:.1f} | {rate['shared'] / rate['plain']:.2f}x |"
+        f"| {engine}: requests/s | {rate['plain']:.1f} | {rate['shared']:.1f} | {rate['shared'] / rate['plain']:.2f}x |"
     )
 
 

@@ -27,6 +27,7 @@ from agentrl.rollout.engines._slot_decode import (
     layer_projections,
     slot_layer,
 )
+from agentrl.rollout.engines.shared_prefix_attention import SharedPrefixMask
 
 _COMPILED: dict[Any, Callable[..., Any]] = {}
 """(what, backend) -> a compiled function, made once per process: each step and each step's layer."""
@@ -66,9 +67,19 @@ def _marked_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch.Tenso
         def rows_and_length_marked_layer(
             module, following, hidden, x, cos, sin, keys, values, positions, visible, *rest
         ):
-            for tensor in (hidden, x, cos, sin, positions, visible):
+            mask = visible.mask if isinstance(visible, SharedPrefixMask) else visible
+            for tensor in (hidden, x, cos, sin, positions, mask):
                 maybe_mark_dynamic(tensor, 0)
-            maybe_mark_dynamic(visible, 3)  # the cache positions read
+            maybe_mark_dynamic(mask, 3)  # the cache positions read
+            if isinstance(visible, SharedPrefixMask):  # the groups, their most members, the step's slots
+                plan = visible.prefix
+                for tensor, dims in (
+                    (plan.members, (0, 1)),
+                    (plan.leaders, (0,)),
+                    (plan.member_of_slot, (0,)),
+                ):
+                    for dim in dims:
+                        maybe_mark_dynamic(tensor, dim)
             maybe_mark_dynamic(keys, 2)
             maybe_mark_dynamic(values, 2)
             return layer(module, following, hidden, x, cos, sin, keys, values, positions, visible, *rest)

@@ -67,7 +67,11 @@ from agentrl.rollout.engines._slot_decode import (
 from agentrl.rollout.engines._stable_memory import StableMemory, stable_memory
 from agentrl.rollout.engines._staging import PinnedStaging
 from agentrl.rollout.engines.flash_attention import FlashRows, flash_cache_attention_supported
-from agentrl.rollout.engines.shared_prefix_attention import SharedPrefix, plan_shared_prefix
+from agentrl.rollout.engines.shared_prefix_attention import (
+    SharedPrefix,
+    placeholder_plans,
+    plan_shared_prefix,
+)
 from agentrl.rollout.engines.vision import (
     ImageInputs,
     ImagePrefill,
@@ -275,6 +279,7 @@ class SlotBatch:
                 "compacted_rows",
                 "prefill_parts",
                 "shared_prefix_prefills",
+                "shared_prefix_decodes",
             )
             + tuple(
                 f"{path}_{what}" for path in PREFILL_PATHS for what in ("forwards", "tokens", "s", "host_s")
@@ -1033,15 +1038,17 @@ class SlotBatch:
         host, ready = self._staging.to_host(results)
         return DeviceDraw(slots, host, ready)
 
-    def _step(self, bucket: int, span: int | None = None) -> torch.Tensor:
+    def _step(self, bucket: int, span: int | None = None, shared: SharedPrefix | None = None) -> torch.Tensor:
         """The decode step over slots 0..bucket-1; without graphs over `span` cache positions (default
-        `_span`)."""
+        `_span`), its rows sharing a prefix as `shared` says (default: as they do, `_shared_prefix`)."""
         offsets = self._rope_offsets[:bucket] if self.images else None
         ids, positions = self._token_ids[:bucket], self._positions[:bucket]
         if self.cuda_graphs:  # one graph per bucket reads the whole cache length
             return self._decode_step(
                 self.model, self.keys, self.values, ids, positions, offsets, fused=self._fused_layers()
             )
+        if shared is None and (shared := self._shared_prefix(bucket)) is not None:
+            self.counters["shared_prefix_decodes"] += 1
         return self._decode_step(
             self.model,
             self.keys,
@@ -1051,14 +1058,15 @@ class SlotBatch:
             offsets,
             span or self._span(),
             fused=self._fused_layers(),
-            **({"shared": shared} if (shared := self._shared_prefix(bucket)) is not None else {}),
+            **({"shared": shared} if shared is not None else {}),
         )
 
     def _shared_prefix(self, bucket: int) -> SharedPrefix | None:
         """How this step's rows share a prompt prefix (`plan_shared_prefix`), planned when the rows or their
-        slots change; None off the float32 CPU step, and for the compiled step (whose graph reads each row's
-        own copy: the plan's shapes and length would each compile it again)."""
-        if not self._shares_prefixes or self._decode_step is not decode_step:
+        slots change; None off the float32 CPU step. The compiled step takes the plan's sizes and length
+        symbolically (`compile_now` compiles them): reading each row's own copy instead, its attention was
+        most of a 32-row step (`benchmarks/shared_prefix_decode.py --compile-decode`)."""
+        if not self._shares_prefixes:
             return None
         key = (bucket, *self._row_slots)
         if self._shared is None or self._shared[0] != key:
@@ -1175,6 +1183,12 @@ class SlotBatch:
             # over two spans, which makes the span symbolic too (the eager step reads `_span` positions)
             with torch.inference_mode(), cudnn_attention_for_capture():
                 self._warm_up(MIN_BUCKET, None if self.cuda_graphs else SPAN_STEP * length // MIN_LENGTH)
+        if self._shares_prefixes:
+            with torch.inference_mode():
+                for plan in placeholder_plans(MIN_BUCKET, BLOCK_TOKENS, self.device):
+                    self._compiled_or_plain(
+                        "decode", functools.partial(self._step, MIN_BUCKET, SPAN_STEP, plan)
+                    )
         # The extend step first over a span shorter than the cache, then over all of it. Traced first with the
         # two equal, Dynamo gave both one symbol, and the graph then read a longer cache with the span's strides
         # (Inductor's input check stopped it on an H200).

@@ -940,6 +940,7 @@ class EmbeddedEngine:
             "rows_compacted": counters.get("compacted_rows", 0),
             "prefill_parts": counters.get("prefill_parts", 0),
             "prefill_shared_prefix_forwards": counters.get("shared_prefix_prefills", 0),
+            "decode_shared_prefix_steps": counters.get("shared_prefix_decodes", 0),
             "busy_prefill_forward_s": round(counters["prefill_s"], 4),
             **{
                 (f"busy_prefill_{key}" if key.endswith("_s") else f"prefill_{key}"): round(counters[key], 4)

@@ -204,6 +204,28 @@ def plan_shared_prefix(
     )
 
 
+def placeholder_plans(step_slots: int, block_tokens: int, device: torch.device) -> list[SharedPrefix]:
+    """Plans over the first of `step_slots` slots that a compiled decode step is traced on before any request
+    (`SlotBatch.compile_now`), so that no plan a real step makes compiles it again: two and three groups at
+    two prefix lengths (the length then symbolic), and one group (a size of 1 is traced apart). No two sizes
+    are equal: Dynamo would give them one symbol and compile again when they differ."""
+    shapes = ((2, 3, 1), (3, 2, 2), (1, 5, 1))  # (groups, members each, prefix blocks)
+    plans = []
+    for groups, most, blocks in shapes:
+        members = [list(range(g * most, (g + 1) * most)) for g in range(groups)]
+        member_of_slot = list(range(groups * most)) + [0] * (step_slots - groups * most)
+        plans.append(
+            SharedPrefix(
+                length=blocks * block_tokens,
+                members=torch.tensor(members, dtype=torch.long, device=device),
+                leaders=torch.tensor([group[0] for group in members], dtype=torch.long, device=device),
+                member_of_slot=torch.tensor(member_of_slot, dtype=torch.long, device=device),
+                sizes=(most,) * groups,
+            )
+        )
+    return plans
+
+
 def _common_blocks(a: tuple[int, ...], b: tuple[int, ...], reach: int) -> int:
     """Leading blocks two prompts share (of their first `reach`), by bisection on the chained hashes."""
     low, high = 0, reach

@@ -248,7 +248,8 @@ def test_slot_cache_grows_while_rows_run_and_logprobs_stay_exact(model, tokenize
 def test_a_compiled_cpu_decode_step_compiles_on_the_engines_thread_and_stays_exact(model, tokenizer, prompts):
     """`compile_decode` on the CPU: the decode step goes through torch.compile, on the engine's own thread (this
     thread only waits: a compile here would leave it an OpenMP pool that slows the engine's), and rows that
-    cross several cache spans (each a size the compiled step takes symbolically) keep teacher-forced logprobs."""
+    cross several cache spans (each a size the compiled step takes symbolically) keep teacher-forced logprobs,
+    also while the step reads the 96-token preamble the prompts share once (`shared_prefix_attention.py`)."""
     wall, cpu = time.perf_counter(), time.thread_time()
     engine = EmbeddedEngine(
         copy.deepcopy(model), tokenizer, max_num_seqs=8, max_model_len=512, compile_decode=True
@@ -258,14 +259,19 @@ def test_a_compiled_cpu_decode_step_compiles_on_the_engines_thread_and_stays_exa
         assert engine.stats()["compile_decode"] is True
         assert cpu < 0.5 * wall, f"the constructor's thread spent {cpu:.1f} of {wall:.1f} s computing"
 
+        preamble = [(13 * i) % 1500 + 7 for i in range(96)]
+        shared = [preamble + p for p in prompts[:3]]
+
         async def run():
             params = SamplingParams(temperature=1.0, max_tokens=150, n=2, seed=3, ignore_eos=True)
-            return await asyncio.gather(*(engine.generate(p, params) for p in prompts[:3]))
+            return await asyncio.gather(*(engine.generate(p, params) for p in shared))
 
-        for prompt, outputs in zip(prompts, asyncio.run(run()), strict=False):
+        for prompt, outputs in zip(shared, asyncio.run(run()), strict=True):
             for out in outputs:
                 reference = _teacher_forced_logprobs(model, prompt, out.token_ids)
                 assert (reference - torch.tensor(out.logprobs)).abs().max().item() < 1e-4
+        # every step of the 150 read the preamble (and each prompt, its two rows' whole prompt) once
+        assert engine.stats()["decode_shared_prefix_steps"] >= 149
     finally:
         engine.close()
 

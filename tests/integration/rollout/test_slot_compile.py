@@ -12,6 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from agentrl.rollout.engines._compiled_steps import compiled_decode_step, compiled_extend_step
+from agentrl.rollout.engines._prefix_cache import block_hashes
 from agentrl.rollout.engines._slot_batch import EXTEND_MAX_TOKENS, SlotBatch
 from agentrl.rollout.engines._slot_decode import decode_step, extend_step, text_model
 
@@ -39,7 +40,8 @@ def test_one_traced_layer_serves_every_layer_and_nothing_compiles_again(model):
     batch._decode_step = compiled_decode_step(backend=recording)
     assert batch.compile_now() > 0
     assert batch.length == 0  # the cache it traced with is freed again
-    assert len(graphs) == 3
+    # the inputs twice, the layer reading each row's own copy, the layer reading a shared prefix three times
+    assert len(graphs) == 6
     nodes = [node for graph in graphs for node in graph.graph.nodes]
     # One attention (SDPA, or on the CPU the softmax of `decode_attention`): one layer, not the whole step.
     attentions = [
@@ -54,8 +56,8 @@ def test_one_traced_layer_serves_every_layer_and_nothing_compiles_again(model):
     batch.decode([15] * batch.size)
     batch.admit([list(range(20, 220))], [1], reserve=300)  # a 192-position span
     batch.decode([16] * batch.size)
-    assert len(graphs) == 3
-    assert counters["stats"]["unique_graphs"] == 3
+    assert len(graphs) == 6
+    assert counters["stats"]["unique_graphs"] == 6
 
     # The same step again through the plain function: it rewrites the same keys and values, so the logits compare.
     bucket = batch._bucket(batch.size)
@@ -64,12 +66,45 @@ def test_one_traced_layer_serves_every_layer_and_nothing_compiles_again(model):
     torch.testing.assert_close(compiled_logits, batch._step(bucket))
 
 
+def test_the_compiled_step_reads_a_shared_prefix_once_and_no_plan_compiles_it_again(model):
+    """On the CPU in float32 the compiled decode step reads a prompt prefix its rows share once a group, as the
+    plain step does (`shared_prefix_attention.py`): `compile_now` traces it on placeholder plans, and then real
+    plans of one to four groups, two to eight rows each, over prefixes of 64 to 320 tokens trace nothing new;
+    each step's logits equal the plain step's."""
+    graphs, recording = _recording_backend()
+    batch = SlotBatch(model, max_slots=32, max_model_len=1024, cuda_graphs=False)
+    batch._decode_step = compiled_decode_step(backend=recording)
+    batch.compile_now()
+    traced = len(graphs)
+    generator = torch.Generator().manual_seed(1)
+    for groups, rows_each, shared in ((1, 2, 64), (2, 5, 144), (4, 3, 320), (3, 8, 96), (1, 6, 208)):
+        batch.keep([])
+        prompts = []
+        for _ in range(groups):
+            prefix = torch.randint(10, 1000, (shared,), generator=generator).tolist()
+            prompts += [
+                prefix + torch.randint(10, 1000, (7,), generator=generator).tolist() for _ in range(rows_each)
+            ]
+        batch.admit(prompts, [1] * len(prompts), reserve=300, hashes=[block_hashes(p) for p in prompts])
+        for _ in range(2):
+            batch.decode([11] * batch.size)
+        plan = batch._shared[1] if batch._shared is not None else None
+        assert plan is not None and plan.length == shared and plan.members.shape[0] == groups
+        bucket = batch._bucket(batch.size)
+        compiled_logits = batch._step(bucket)
+        batch._decode_step = decode_step
+        torch.testing.assert_close(compiled_logits, batch._step(bucket))
+        batch._decode_step = compiled_decode_step(backend=recording)
+    assert len(graphs) == traced, f"{len(graphs) - traced} more graphs traced after compile_now"
+
+
 def test_the_extend_step_compiles_at_compile_now_and_no_later_shape_compiles_again(model):
     """The extend step (an agent's next turn over its cached history, under CUDA graphs) is compiled around the
     cache (no graph reads or writes it): `compile_now` traces it, and then extends of other row counts, spans and
     cache lengths trace nothing new; the logits and the keys and values written equal the plain step's."""
     graphs, recording = _recording_backend()
     batch = SlotBatch(model, max_slots=16, max_model_len=1024, cuda_graphs=False)
+    batch._shares_prefixes = False  # (a shared prefix's decode graphs read the cache; the extend step's not)
     batch._decode_step = compiled_decode_step(backend=recording)
     batch._extend_step = compiled_extend_step(backend=recording)
     assert batch.compile_now() > 0
