@@ -229,6 +229,9 @@ class SlotBatch:
         self._free = list(range(max_slots))
         self._row_slots: list[int] = []
         self._row_positions: list[int] = []
+        self._plans_compiled = False
+        """Whether `compile_now` traced the compiled decode step on shared-prefix plans: until then (or with
+        fewer slots than its placeholders take) that step reads every row's own copy, compiling nothing more."""
         self._row_prefixes: list[tuple[int, ...]] = []
         """Each row's prompt as `block_hashes` mixed with the weights it was admitted under (empty when unknown):
         which rows share a prefix. Rows admitted under other weights hold other keys for the same tokens."""
@@ -1064,9 +1067,10 @@ class SlotBatch:
     def _shared_prefix(self, bucket: int) -> SharedPrefix | None:
         """How this step's rows share a prompt prefix (`plan_shared_prefix`), planned when the rows or their
         slots change; None off the float32 CPU step. The compiled step takes the plan's sizes and length
-        symbolically (`compile_now` compiles them): reading each row's own copy instead, its attention was
-        most of a 32-row step (`benchmarks/shared_prefix_decode.py --compile-decode`)."""
-        if not self._shares_prefixes:
+        symbolically once `compile_now` has traced them (`_plans_compiled`): reading each row's own copy
+        instead, its attention was most of a 32-row step (`benchmarks/shared_prefix_decode.py
+        --compile-decode`)."""
+        if not self._shares_prefixes or (self._decode_step is not decode_step and not self._plans_compiled):
             return None
         key = (bucket, *self._row_slots)
         if self._shared is None or self._shared[0] != key:
@@ -1183,12 +1187,13 @@ class SlotBatch:
             # over two spans, which makes the span symbolic too (the eager step reads `_span` positions)
             with torch.inference_mode(), cudnn_attention_for_capture():
                 self._warm_up(MIN_BUCKET, None if self.cuda_graphs else SPAN_STEP * length // MIN_LENGTH)
-        if self._shares_prefixes:
+        if self._shares_prefixes and self.max_slots >= MIN_BUCKET:  # (the placeholders need the slots)
             with torch.inference_mode():
                 for plan in placeholder_plans(MIN_BUCKET, BLOCK_TOKENS, self.device):
                     self._compiled_or_plain(
                         "decode", functools.partial(self._step, MIN_BUCKET, SPAN_STEP, plan)
                     )
+            self._plans_compiled = True
         # The extend step first over a span shorter than the cache, then over all of it. Traced first with the
         # two equal, Dynamo gave both one symbol, and the graph then read a longer cache with the span's strides
         # (Inductor's input check stopped it on an H200).

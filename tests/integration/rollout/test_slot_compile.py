@@ -98,6 +98,24 @@ def test_the_compiled_step_reads_a_shared_prefix_once_and_no_plan_compiles_it_ag
     assert len(graphs) == traced, f"{len(graphs) - traced} more graphs traced after compile_now"
 
 
+def test_an_engine_of_fewer_slots_than_the_placeholders_compiles_once_and_reads_every_rows_copy(
+    model, caplog
+):
+    """Four slots hold no placeholder plan: `compile_now` compiles the plain layer only (no warning, no fall
+    back to the plain step), and rows sharing a prefix then decode through it, each over its own copy."""
+    graphs, recording = _recording_backend()
+    batch = SlotBatch(model, max_slots=4, max_model_len=512, cuda_graphs=False)
+    batch._decode_step = compiled_decode_step(backend=recording)
+    with caplog.at_level("WARNING", logger="agentrl.rollout.engines._slot_batch"):
+        batch.compile_now()
+    assert not caplog.records and batch._decode_step is not decode_step
+    traced = len(graphs)
+    prompt = list(range(10, 110))
+    batch.admit([prompt], [3], reserve=200, hashes=[block_hashes(prompt)])
+    batch.decode([11] * batch.size)
+    assert batch.counters["shared_prefix_decodes"] == 0 and len(graphs) == traced
+
+
 def test_the_extend_step_compiles_at_compile_now_and_no_later_shape_compiles_again(model):
     """The extend step (an agent's next turn over its cached history, under CUDA graphs) is compiled around the
     cache (no graph reads or writes it): `compile_now` traces it, and then extends of other row counts, spans and
