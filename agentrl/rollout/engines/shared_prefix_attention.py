@@ -189,18 +189,24 @@ def plan_shared_prefix(
     groups_of: dict[int, list[int]] = {}
     for i in order:
         groups_of.setdefault(prefixes[i][best - 1], []).append(slots[i])
-    most = max(len(members) for members in groups_of.values())
-    members = [group + [group[0]] * (most - len(group)) for group in groups_of.values()]
+    return _plan(list(groups_of.values()), best * block_tokens, step_slots, device)
+
+
+def _plan(groups: list[list[int]], length: int, step_slots: int, device: torch.device) -> SharedPrefix:
+    """The plan of `groups` (each group's slots, its first the leader) sharing their first `length` positions,
+    in a decode step over `step_slots` slots."""
+    most = max(len(group) for group in groups)
+    members = [group + [group[0]] * (most - len(group)) for group in groups]
     member_of_slot = [0] * step_slots
-    for g, group in enumerate(groups_of.values()):
+    for g, group in enumerate(groups):
         for j, slot in enumerate(group):
             member_of_slot[slot] = g * most + j
     return SharedPrefix(
-        length=best * block_tokens,
+        length=length,
         members=torch.tensor(members, dtype=torch.long, device=device),
         leaders=torch.tensor([group[0] for group in members], dtype=torch.long, device=device),
         member_of_slot=torch.tensor(member_of_slot, dtype=torch.long, device=device),
-        sizes=tuple(len(group) for group in groups_of.values()),
+        sizes=tuple(len(group) for group in groups),
     )
 
 
@@ -210,20 +216,15 @@ def placeholder_plans(step_slots: int, block_tokens: int, device: torch.device) 
     two prefix lengths (the length then symbolic), and one group (a size of 1 is traced apart). No two sizes
     are equal: Dynamo would give them one symbol and compile again when they differ."""
     shapes = ((2, 3, 1), (3, 2, 2), (1, 5, 1))  # (groups, members each, prefix blocks)
-    plans = []
-    for groups, most, blocks in shapes:
-        members = [list(range(g * most, (g + 1) * most)) for g in range(groups)]
-        member_of_slot = list(range(groups * most)) + [0] * (step_slots - groups * most)
-        plans.append(
-            SharedPrefix(
-                length=blocks * block_tokens,
-                members=torch.tensor(members, dtype=torch.long, device=device),
-                leaders=torch.tensor([group[0] for group in members], dtype=torch.long, device=device),
-                member_of_slot=torch.tensor(member_of_slot, dtype=torch.long, device=device),
-                sizes=(most,) * groups,
-            )
+    return [
+        _plan(
+            [list(range(g * most, (g + 1) * most)) for g in range(groups)],
+            blocks * block_tokens,
+            step_slots,
+            device,
         )
-    return plans
+        for groups, most, blocks in shapes
+    ]
 
 
 def _common_blocks(a: tuple[int, ...], b: tuple[int, ...], reach: int) -> int:
