@@ -129,16 +129,18 @@ def run_client(
 
 
 @contextmanager
-def agentrl_server(args: argparse.Namespace, out: Path) -> Iterator[str]:
-    """`agentrl serve` on a free port until the block ends; yields the OpenAI base URL of one session (the whole
-    benchmark runs in it, as `agentrl serve`'s banner shows) and its server's `/metrics` URL (from the banner)."""
+def agentrl_server(args: argparse.Namespace, out: Path, flags: str) -> Iterator[str]:
+    """`agentrl serve` with `flags` on a free port until the block ends; yields the OpenAI base URL of one session
+    (the whole benchmark runs in it, as `agentrl serve`'s banner shows) and its server's `/metrics` URL (from the
+    banner). Its output goes to files in `out`, a folder of its own."""
+    out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     serve = subprocess.Popen(
         [
             sys.executable, "-m", "agentrl.cli", "serve", "--model", args.model, "--port", str(port),
             "--max-model-len", str(args.max_model_len), "--max-tokens", str(args.output_len),
             "--max-num-seqs", str(args.concurrency),
-            "--log-dir", str(out / "serve_logs"), *shlex.split(args.agentrl_flags),
+            "--log-dir", str(out / "serve_logs"), *shlex.split(flags),
         ],
         stdout=open(out / "serve.out", "w"), stderr=open(out / "serve.log", "w"),
     )  # fmt: skip
@@ -194,7 +196,21 @@ def main() -> None:
         default="",
         help="more flags for `agentrl serve`, one string, given with '=' (--agentrl-flags=--enforce-eager)",
     )
+    p.add_argument(
+        "--agentrl-variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="one more `agentrl serve` with these flags (added to --agentrl-flags), measured as 'agentrl NAME' in "
+        "the same rounds: two forms of the server side by side (--agentrl-variant='one-thread=--threads 1')",
+    )
     args = p.parse_args()
+    variants = {"agentrl": args.agentrl_flags} if "agentrl" in args.targets else {}
+    for variant in args.agentrl_variant:
+        name, sep, flags = variant.partition("=")
+        if not sep or not name.strip():
+            p.error(f"--agentrl-variant {variant!r}: expected NAME=FLAGS")
+        variants[f"agentrl {name.strip()}"] = f"{args.agentrl_flags} {flags}"
     args.served_name = args.model
     folder = resolve_model_path(args.model)
     runs: dict[str, list[dict]] = {}
@@ -202,8 +218,10 @@ def main() -> None:
         out = Path(tmp)
         urls: dict[str, str] = {}
         metrics_urls: dict[str, str] = {}
-        if "agentrl" in args.targets:
-            urls["agentrl"], metrics_urls["agentrl"] = servers.enter_context(agentrl_server(args, out))
+        for index, (name, flags) in enumerate(variants.items()):
+            urls[name], metrics_urls[name] = servers.enter_context(
+                agentrl_server(args, out / str(index), flags)
+            )
         if "vllm" in args.targets:
             started = servers.enter_context(
                 launch_vllm_servers(
@@ -240,13 +258,13 @@ def main() -> None:
         for label, result in rows:
             values = " | ".join(format(result[key], spec) for _, key, spec in METRICS)
             print(f"| {label} | {values} | {result['mean_ttft_ms'] / result['mean_e2el_ms']:.2f} |")
-    if len(medians) == 2:
-        ratio = {key: round(medians["agentrl"][key] / medians["vllm"][key], 2) for _, key, _ in METRICS}
+    for name in variants if "vllm" in medians else ():
+        ratio = {key: round(medians[name][key] / medians["vllm"][key], 2) for _, key, _ in METRICS}
         per_round = [
             round(a["request_throughput"] / b["request_throughput"], 2)
-            for a, b in zip(runs["agentrl"], runs["vllm"], strict=True)
+            for a, b in zip(runs[name], runs["vllm"], strict=True)
         ]
-        print(f"agentrl / vLLM (medians): {ratio}; requests/s round by round: {per_round}")
+        print(f"{name} / vLLM (medians): {ratio}; requests/s round by round: {per_round}")
     server_side = {
         name: {
             key: statistics.median(r[key] for r in results)

@@ -39,12 +39,27 @@ def _compiled(what: str, backend: Any, make: Callable[[], Callable[..., Any]]) -
     return _COMPILED[what, backend]
 
 
+INDUCTOR_OPTIONS = {"cpp.min_chunk_size": 1}
+"""Inductor settings of every step compiled here. `cpp.min_chunk_size` 1: the C++ backend runs each loop nest on
+every thread; by default (512) one whose size hint divided by the threads is below 512 elements runs on one thread
+while the others wait. The hints are the sizes of the first trace, which `SlotBatch.compile_now` makes on small
+placeholders (the shared-prefix plans' 16 and 32 positions): the softmax over a shared prefix ran on one thread
+of two for every step after (`benchmarks/decode_layer_hints.py`, 2 cores: a 32-row layer 1.404 ms against 1.254
+with this setting and 1.236 traced on real sizes). Nothing changes on CUDA (Triton's kernels)."""
+
+
+def compile_step_part(function: Callable[..., Any], backend: Any) -> Callable[..., Any]:
+    """torch.compile of a step's part with `INDUCTOR_OPTIONS` under Inductor (other backends take none)."""
+    options = INDUCTOR_OPTIONS if backend == "inductor" else None
+    return torch.compile(function, backend=backend, options=options)
+
+
 def _rows_marked_inputs(inputs: Callable[..., tuple], backend: Any) -> Callable[..., tuple]:
     """A step's inputs function (`decode_inputs`, `extend_inputs`) through torch.compile, its rows marked
     symbolic on every call."""
     from torch._dynamo import maybe_mark_dynamic
 
-    compiled = torch.compile(inputs, backend=backend)
+    compiled = compile_step_part(inputs, backend)
 
     def rows_marked_inputs(model, token_ids, positions, rope_offsets, length):
         for tensor in (token_ids, positions, rope_offsets):
@@ -55,38 +70,34 @@ def _rows_marked_inputs(inputs: Callable[..., tuple], backend: Any) -> Callable[
     return rows_marked_inputs
 
 
+def mark_layer_sizes(layer: Callable[..., Any]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The compiled decode layer `layer` with the sizes that vary marked symbolic on every call: the rows (dim 0
+    of every per-row input), the cache positions read (the mask's last dim, the cache's length) and a shared
+    prefix's plan (its groups, their most members, the step's slots)."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    def rows_and_length_marked_layer(
+        module, following, hidden, x, cos, sin, keys, values, positions, visible, *rest
+    ):
+        mask = visible.mask if isinstance(visible, SharedPrefixMask) else visible
+        for tensor in (hidden, x, cos, sin, positions, mask):
+            maybe_mark_dynamic(tensor, 0)
+        maybe_mark_dynamic(mask, 3)  # the cache positions read
+        if isinstance(visible, SharedPrefixMask):  # the groups, their most members, the step's slots
+            plan = visible.prefix
+            for tensor, dims in ((plan.members, (0, 1)), (plan.leaders, (0,)), (plan.member_of_slot, (0,))):
+                for dim in dims:
+                    maybe_mark_dynamic(tensor, dim)
+        maybe_mark_dynamic(keys, 2)
+        maybe_mark_dynamic(values, 2)
+        return layer(module, following, hidden, x, cos, sin, keys, values, positions, visible, *rest)
+
+    return rows_and_length_marked_layer
+
+
 def _marked_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """`slot_layer` through torch.compile for the decode step, with the sizes that vary marked: the rows (dim 0
-    of every per-row input) and the cache positions read (the mask's last dim, the cache's length)."""
-
-    def make() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-        from torch._dynamo import maybe_mark_dynamic
-
-        layer = torch.compile(slot_layer, backend=backend)
-
-        def rows_and_length_marked_layer(
-            module, following, hidden, x, cos, sin, keys, values, positions, visible, *rest
-        ):
-            mask = visible.mask if isinstance(visible, SharedPrefixMask) else visible
-            for tensor in (hidden, x, cos, sin, positions, mask):
-                maybe_mark_dynamic(tensor, 0)
-            maybe_mark_dynamic(mask, 3)  # the cache positions read
-            if isinstance(visible, SharedPrefixMask):  # the groups, their most members, the step's slots
-                plan = visible.prefix
-                for tensor, dims in (
-                    (plan.members, (0, 1)),
-                    (plan.leaders, (0,)),
-                    (plan.member_of_slot, (0,)),
-                ):
-                    for dim in dims:
-                        maybe_mark_dynamic(tensor, dim)
-            maybe_mark_dynamic(keys, 2)
-            maybe_mark_dynamic(values, 2)
-            return layer(module, following, hidden, x, cos, sin, keys, values, positions, visible, *rest)
-
-        return rows_and_length_marked_layer
-
-    return _compiled("layer", backend, make)
+    """`slot_layer` through torch.compile for the decode step, its varying sizes marked (`mark_layer_sizes`)."""
+    return _compiled("layer", backend, lambda: mark_layer_sizes(compile_step_part(slot_layer, backend)))
 
 
 def _split_extend_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -99,10 +110,8 @@ def _split_extend_layer(backend: Any) -> Callable[..., tuple[torch.Tensor, torch
     def make() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         from torch._dynamo import maybe_mark_dynamic
 
-        projections = _compiled(
-            "projections", backend, lambda: torch.compile(layer_projections, backend=backend)
-        )
-        output = _compiled("layer output", backend, lambda: torch.compile(layer_output, backend=backend))
+        projections = _compiled("projections", backend, lambda: compile_step_part(layer_projections, backend))
+        output = _compiled("layer output", backend, lambda: compile_step_part(layer_output, backend))
 
         def split_layer(
             module, following, hidden, x, cos, sin, keys, values, positions, visible, head_dim, fused, slots
@@ -172,10 +181,8 @@ def compiled_flash_extend_step(backend: Any = "inductor") -> Callable[..., torch
     symbolic. Where `rotary_write` serves the layer, its kernel replaces the compiled projections' rotary."""
 
     def make() -> Callable[..., torch.Tensor]:
-        projections = _compiled(
-            "projections", backend, lambda: torch.compile(layer_projections, backend=backend)
-        )
-        output = _compiled("layer output", backend, lambda: torch.compile(layer_output, backend=backend))
+        projections = _compiled("projections", backend, lambda: compile_step_part(layer_projections, backend))
+        output = _compiled("layer output", backend, lambda: compile_step_part(layer_output, backend))
         layer = functools.partial(
             flash_layer, projections=_rows_marked(projections, (1, 2, 3)), output=_rows_marked(output, (2, 3))
         )

@@ -11,7 +11,11 @@ from collections.abc import Callable
 import torch
 from torch._dynamo.utils import counters
 
-from agentrl.rollout.engines._compiled_steps import compiled_decode_step, compiled_extend_step
+from agentrl.rollout.engines._compiled_steps import (
+    compile_step_part,
+    compiled_decode_step,
+    compiled_extend_step,
+)
 from agentrl.rollout.engines._prefix_cache import block_hashes
 from agentrl.rollout.engines._slot_batch import EXTEND_MAX_TOKENS, SlotBatch
 from agentrl.rollout.engines._slot_decode import decode_step, extend_step, text_model
@@ -168,3 +172,28 @@ def test_a_step_whose_compilation_fails_falls_back_to_the_plain_step_and_says_so
     assert batch._decode_step is decode_step and batch._extend_step is extend_step
     batch.admit([[5, 6, 7, 8]], [3], reserve=64)  # three rows of one prompt
     assert batch.decode([11] * batch.size).shape[0] == 3
+
+
+def _scaled_softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x * 0.5, dim=-1)
+
+
+def test_a_step_part_runs_every_loop_nest_on_every_thread_whatever_its_traced_size():
+    """Inductor's C++ backend runs a loop nest whose first-traced size, per thread, is below `cpp.min_chunk_size`
+    on one thread; the engine traces its steps on small placeholders, after which a served step's softmax over a
+    shared prefix ran on one thread of two. A step's part is compiled to run every loop on every thread; a plain
+    compile of the same small softmax makes no parallel loop at all."""
+    from torch._inductor.utils import run_and_get_code
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(4, 16)
+        step_part = compile_step_part(_scaled_softmax, "inductor")
+        out, step_code = run_and_get_code(step_part, x)
+        torch.testing.assert_close(out, _scaled_softmax(x))
+        _, plain_code = run_and_get_code(torch.compile(lambda t: _scaled_softmax(t)), x)
+    finally:
+        torch.set_num_threads(threads)
+    assert "#pragma omp for" in "\n".join(step_code)
+    assert "#pragma omp for" not in "\n".join(plain_code)
