@@ -22,7 +22,10 @@ import time
 from collections.abc import Callable
 
 import torch
-from shared_prefix_decode import engine_waves  # this folder is on the path when a benchmark runs as a script
+from shared_prefix_decode import (
+    add_workload_arguments,
+    engine_waves,
+)  # this folder is on the path when a benchmark runs as a script
 
 from agentrl.rollout.engines import _compiled_steps
 from agentrl.rollout.engines._compiled_steps import mark_layer_sizes
@@ -64,13 +67,7 @@ def fresh_layer(number: int, min_chunk: int) -> Callable[..., tuple[torch.Tensor
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny:qwen2")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rows", type=int, default=32)
-    p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--prefix", type=int, default=512)
-    p.add_argument("--suffix", type=int, default=64)
-    p.add_argument("--output", type=int, default=32)
+    add_workload_arguments(p)
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--calls", type=int, default=100)
     args = p.parse_args()

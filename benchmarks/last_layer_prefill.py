@@ -23,7 +23,10 @@ import time
 from collections.abc import Callable
 
 import torch
-from shared_prefix_decode import engine_waves  # this folder is on the path when a benchmark runs as a script
+from shared_prefix_decode import (
+    add_workload_arguments,
+    engine_waves,
+)  # this folder is on the path when a benchmark runs as a script
 
 from agentrl.models import load_causal_lm
 from agentrl.rollout.engines import _slot_decode
@@ -79,13 +82,7 @@ def _trims(trim: bool) -> Callable[[object], None]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny:qwen2")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rows", type=int, default=32)
-    p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--prefix", type=int, default=512)
-    p.add_argument("--suffix", type=int, default=64)
-    p.add_argument("--output", type=int, default=32)
+    add_workload_arguments(p)
     p.add_argument("--repeats", type=int, default=5, help="forwards a run of the forward alone")
     p.add_argument("--waves", type=int, default=12, help="engine: measured waves of each form")
     args = p.parse_args()

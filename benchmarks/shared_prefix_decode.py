@@ -192,18 +192,24 @@ def _shares_prefixes(shared: bool, decode_only: bool) -> Callable[[EmbeddedEngin
     return set_up
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The serving workload's flags (`benchmarks/serve_vs_vllm.py`'s): the model, torch threads, `--rows` rows in
+    `--groups` groups over a `--prefix`-token prefix, `--suffix` tokens of their own, `--output` tokens out."""
     p.add_argument("--model", default="tiny:qwen2")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--prefix", type=int, default=512)
+    p.add_argument("--suffix", type=int, default=64, help="engine: prompt tokens past the prefix")
+    p.add_argument("--output", type=int, default=32)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_arguments(p)
     p.add_argument(
         "--own", type=int, default=96, help="attention alone: positions past the prefix a row holds"
     )
-    p.add_argument("--suffix", type=int, default=64, help="engine: prompt tokens past the prefix")
-    p.add_argument("--output", type=int, default=32)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--waves", type=int, default=12, help="engine: measured waves of each form")
     p.add_argument(
