@@ -23,6 +23,7 @@ def _worker(overrides: list[str] = ()) -> PolicyWorker:
 def test_chunks_accumulated_then_one_step_equal_the_whole_batchs_update(chunks, mode):
     overrides = [f"actor_rollout_ref.actor.loss_agg_mode={mode}", "actor_rollout_ref.actor.grad_clip=0.05"]
     whole, streamed = _worker(overrides), _worker(overrides)
+    before = [p.detach().clone() for p in whole.actor.parameters()]
     batch = _batch(whole.tokenizer_pad_id())
     expected = whole.update_actor(batch)
     for rows in chunks:
@@ -31,9 +32,18 @@ def test_chunks_accumulated_then_one_step_equal_the_whole_batchs_update(chunks, 
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/entropy"):
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
     assert expected["actor/grad_norm"] > 0.05  # clipped: the division by the total precedes the clip
-    # Adam's first step is about lr * sign(gradient): a gradient near 0 turns float noise into up to lr * 1e-2.
-    for (name, a), b in zip(whole.actor.named_parameters(), streamed.actor.parameters(), strict=True):
-        assert torch.allclose(a, b, atol=1e-4, rtol=0), name
+    # Adam's first step is lr * g / (|g| + eps): about lr * sign(g) where |g| is well above eps (1e-8), but within
+    # a few eps of 0 it turns the gradients' float noise (summed in another order) into a step anywhere in
+    # (-lr, lr) (one weight of 2,048 moved 0.00465 in one update and 0.00453 in the other on an AVX2 host). Where the
+    # whole batch's step reaches 0.9 lr (|g| >= 9 eps) both updates agree; those below it must be a few (the keys'
+    # biases among them: softmax ignores what they add to every key, so their gradients are float noise).
+    lr, settled_weights = expected["actor/lr"], 0
+    pairs = zip(whole.actor.named_parameters(), streamed.actor.parameters(), before, strict=True)
+    for (name, a), b, start in pairs:
+        settled = (a - start).abs() >= 0.9 * lr
+        settled_weights += int(settled.sum())
+        assert torch.allclose(a[settled], b[settled], atol=1e-4, rtol=0), name
+    assert settled_weights > 0.9 * sum(start.numel() for start in before)
     assert streamed.optimizer.state_dict()["state"][0]["step"] == 1
 
 
