@@ -12,9 +12,11 @@ end-to-end latency of every run and their medians, the ratios agentrl / vLLM of 
 requests/s ratio round by round; then each server's own view of the same requests from its `GET /metrics`
 (vLLM's request histograms, which the embedded engine keeps too): the time to first token from the request's
 arrival at the engine, its wait and prefill, and what the client's time to first token adds on top (the HTTP
-exchange, the server's request handling, the client's own work).
+exchange, the server's request handling, the client's own work). `--agentrl-variant NAME=FLAGS` adds another
+`agentrl serve` with other flags to the same rounds, so two forms of the server meet the same client and host.
 
     .venv/bin/python benchmarks/serve_vs_vllm.py --model tiny:qwen2 --prompts 128 --concurrency 32
+    .venv/bin/python benchmarks/serve_vs_vllm.py --rounds 5 --agentrl-variant="one-thread=--threads 1"
 """
 
 from __future__ import annotations
