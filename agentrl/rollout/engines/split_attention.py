@@ -6,8 +6,8 @@ cached keys are eight steps one after another, so a 12-row forward of the 0.5B s
 (two fifths of the forward) for work an H200 does in a few. This kernel
 - takes a kv head's query heads together as one block's rows (grouped-query attention packed: row r is token
   r // groups under query head r % groups of that kv head), so one load of a key block serves all of them;
-- splits each sequence's keys into `SPLITS` ranges, each its own program, and merges their partial outputs by
-  their log-sum-exps in a second kernel (what flash-decoding does for one query).
+- splits each sequence's keys into a few ranges (`Launch.splits`), each its own program, and merges their partial
+  outputs by their log-sum-exps in a second kernel (what flash-decoding does for one query).
 
 It reads the same `FlashRows` as the varlen kernel and the cache where it lies, (slots, kv heads, positions, D):
 sequence i's queries are q[cu_q[i]:cu_q[i+1]], its keys under kv head h the `seqused[i]` positions from flat
@@ -19,22 +19,46 @@ row is written.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 if TYPE_CHECKING:
     from agentrl.rollout.engines.flash_attention import FlashRows
 
-SPLITS = 4
-"""Key ranges per sequence, at most: ~1,000 cached keys in four programs of ~4 steps of `BLOCK_N`."""
 MIN_SPLIT_KEYS = 256
 """Keys a range holds at least: a sequence of fewer keys (a first turn's first sequences) runs in fewer programs,
 whose partial outputs (float32, written and read again by the merge) cost more than its keys do."""
 BLOCK_M = 64
 """Query rows (tokens x query heads of one kv head) per program."""
-BLOCK_N = 64
-"""Keys per step of a program."""
+
+
+class Launch(NamedTuple):
+    """How the partial kernel runs for one head size."""
+
+    splits: int
+    """Key ranges per sequence, at most: ~1,000 cached keys in four programs of ~4 steps of `block_n`."""
+    block_n: int
+    """Keys per step of a program."""
+    stages: int
+    """Triton's software pipeline stages (loads of the next key blocks in flight while one is computed)."""
+    warps: int
+
+
+NARROW_HEADS = Launch(splits=4, block_n=64, stages=2, warps=4)
+"""Heads of at most 64 (Qwen2.5-0.5B, SmolLM2). Swept at 4-32 next turns over 300-1,200 cached tokens, other settings
+were up to 1.2x faster at single sizes, the fastest differing from size to size, and 3 ranges one stage deep (the
+fastest at 12 rows) made the engine's 12- and 16-row forwards 3-4% slower (docs/benchmarks.md)."""
+WIDE_HEADS = Launch(splits=3, block_n=32, stages=3, warps=8)
+"""Heads over 64 wide (Qwen2.5-1.5B's and 7B's 128): the blocks hold twice the values, so 8 warps a program, and
+keys in steps of 32, three stages deep. At the 1.5B shape (H200, 8-32 next turns over 600-1,200 cached tokens,
+`benchmarks/split_attention_settings.py`) the attention ran 1.26-1.37x faster than in the narrow heads' 4 ranges of
+steps of 64 keys, two stages deep."""
+
+
+def launch_for(head_dim: int) -> Launch:
+    """The partial kernel's launch for heads `head_dim` wide."""
+    return NARROW_HEADS if head_dim <= 64 else WIDE_HEADS
 
 
 @functools.cache
@@ -163,19 +187,20 @@ def split_cache_attention(
     sequences = rows.seqused.shape[0]
     block_m = min(BLOCK_M, max(16, _power_of_two(rows.max_q * groups)))  # sequences of one token: 16 rows
     m_blocks = -(-rows.max_q * groups // block_m)
-    parts = torch.empty(SPLITS, tokens, heads, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(SPLITS, tokens, heads, dtype=torch.float32, device=q.device)
-    partial_attention[(sequences * m_blocks, kv_heads, SPLITS)](
+    launch = launch_for(head_dim)
+    parts = torch.empty(launch.splits, tokens, heads, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(launch.splits, tokens, heads, dtype=torch.float32, device=q.device)
+    partial_attention[(sequences * m_blocks, kv_heads, launch.splits)](
         q, keys, values, rows.cu_q, rows.cu_k, rows.seqused, parts, lse,
         scale, length, tokens, q.stride(0), q.stride(1),
-        GROUPS=groups, HEADS=heads, HEAD_DIM=head_dim, M_BLOCKS=m_blocks, SPLITS=SPLITS,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, MIN_SPLIT_KEYS=MIN_SPLIT_KEYS,
-        num_warps=4 if head_dim <= 64 else 8, num_stages=2,
+        GROUPS=groups, HEADS=heads, HEAD_DIM=head_dim, M_BLOCKS=m_blocks, SPLITS=launch.splits,
+        BLOCK_M=block_m, BLOCK_N=launch.block_n, MIN_SPLIT_KEYS=MIN_SPLIT_KEYS,
+        num_warps=launch.warps, num_stages=launch.stages,
     )  # fmt: skip
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     merge_splits[(tokens,)](
         parts, lse, out, tokens,
-        HEADS=heads, HEADS_P2=_power_of_two(heads), HEAD_DIM=head_dim, SPLITS=SPLITS, num_warps=4,
+        HEADS=heads, HEADS_P2=_power_of_two(heads), HEAD_DIM=head_dim, SPLITS=launch.splits, num_warps=4,
     )  # fmt: skip
     return out
 

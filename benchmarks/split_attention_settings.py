@@ -1,0 +1,143 @@
+"""The split cache attention's launch settings (`split_attention.py`) swept at the shapes the engine gives it, on a GPU:
+key ranges per sequence, keys a step and pipeline stages, for next turns of 32-64 tokens over cached histories, laid
+out as the extend step lays them (`packed_rows`: tokens padded to a multiple of `WIDTH`, rows to a power of two, the
+padding's sequences included). Each setting runs as one CUDA graph of `--layers` calls, the partial kernel and the
+merge together, each call over a cache of its own as a forward's layers read theirs: with `--one-cache` every call
+reads the same cache, which then stays in the GPU's L2 and favours settings that pipeline their loads less.
+
+    python benchmarks/split_attention_settings.py --rows 4 8 12 16 24 32 --histories 600 1200
+    python benchmarks/split_attention_settings.py --rows 8 16 32 --heads 12 --kv-heads 2 --head-dim 128
+
+Prints one JSON line per (rows, history): the shipped setting's milliseconds, the six fastest settings (splits,
+keys a step, stages; ms; shipped / it; largest difference from the shipped output) and the fastest time for each
+split count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+
+import torch
+from extend_attention import time_graph
+
+from agentrl.rollout.engines import split_attention
+from agentrl.rollout.engines._flash_extend import WIDTH, flash_sequences, packed_rows
+from agentrl.rollout.engines.flash_attention import FlashRows
+
+
+def shipped(head_dim: int) -> tuple[int, int, int]:
+    """(splits, keys a step, stages) as `split_cache_attention` launches for heads `head_dim` wide."""
+    return split_attention.launch_for(head_dim)[:3]
+
+
+def launch(q, caches: list[tuple[torch.Tensor, torch.Tensor]], rows: FlashRows, heads: int, setting):
+    """A step that runs both kernels with `setting` once per cache, as `split_cache_attention` does with its
+    launch (its warps too)."""
+    partial_attention, merge_splits = split_attention._kernels()
+    splits, block_n, stages = setting
+    tokens, _, head_dim = q.shape
+    kv_heads, length = caches[0][0].shape[1], caches[0][0].shape[2]
+    groups, sequences = heads // kv_heads, rows.seqused.shape[0]
+    block_m = min(split_attention.BLOCK_M, max(16, split_attention._power_of_two(rows.max_q * groups)))
+    m_blocks = -(-rows.max_q * groups // block_m)
+    parts = torch.empty(splits, tokens, heads, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, tokens, heads, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+
+    def step() -> torch.Tensor:
+        for keys, values in caches:
+            partial_attention[(sequences * m_blocks, kv_heads, splits)](
+                q, keys, values, rows.cu_q, rows.cu_k, rows.seqused, parts, lse,
+                head_dim**-0.5, length, tokens, q.stride(0), q.stride(1),
+                GROUPS=groups, HEADS=heads, HEAD_DIM=head_dim, M_BLOCKS=m_blocks, SPLITS=splits,
+                BLOCK_M=block_m, BLOCK_N=block_n, MIN_SPLIT_KEYS=split_attention.MIN_SPLIT_KEYS,
+                num_warps=split_attention.launch_for(head_dim).warps, num_stages=stages,
+            )  # fmt: skip
+            merge_splits[(tokens,)](
+                parts, lse, out, tokens, HEADS=heads, HEADS_P2=split_attention._power_of_two(heads),
+                HEAD_DIM=head_dim, SPLITS=splits, num_warps=4,
+            )  # fmt: skip
+        return out
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, nargs="+", default=[4, 8, 12, 16, 24, 32])
+    parser.add_argument(
+        "--histories", type=int, nargs="+", default=[600, 1200], help="most cached tokens a row"
+    )
+    parser.add_argument("--splits", type=int, nargs="+", default=[2, 3, 4, 6])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--one-cache", action="store_true", help="every call reads the same cache")
+    parser.add_argument("--slots", type=int, default=128)
+    parser.add_argument("--length", type=int, default=2048, help="cache positions a slot holds")
+    parser.add_argument("--heads", type=int, default=14)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    shape = (args.slots, args.kv_heads, args.length, args.head_dim)
+    distinct = 1 if args.one_cache else args.layers
+    caches = [
+        (torch.randn(shape, device=device, dtype=dtype), torch.randn(shape, device=device, dtype=dtype))
+        for _ in range(distinct)
+    ]
+    caches = caches * (args.layers // distinct)
+    first = shipped(args.head_dim)
+    settings = {*itertools.product(args.splits, args.block_n, args.stages), first}
+    rng = random.Random(args.seed)
+    device_name = torch.cuda.get_device_name(device)
+    print(json.dumps({"device": device_name, "shipped": first, "caches": distinct, "layers": args.layers}))
+    for count in args.rows:
+        for history in args.histories:
+            # slot 0 is the padding's: rows start at history / 2 .. history and add 32-64 tokens each
+            runs = [
+                (slot, rng.randint(history // 2, history), [1] * rng.randint(32, 64))
+                for slot in rng.sample(range(1, args.slots), count)
+            ]
+            real = sum(len(ids) for _, _, ids in runs)
+            tokens, bucket = -(-real // WIDTH) * WIDTH, 1 << (count - 1).bit_length()
+            _, host = packed_rows(runs, tokens, bucket, args.kv_heads, args.length, args.length - 1)
+            rows = FlashRows.empty(flash_sequences(tokens, bucket), WIDTH, args.length, device)
+            rows.fill_(host.to(device))
+            q = torch.randn(tokens, args.heads, args.head_dim, device=device, dtype=dtype)
+            reference = launch(q, caches, rows, args.heads, first)().float().clone()
+            timed = {}
+            for setting in sorted(settings):
+                step = launch(q, caches, rows, args.heads, setting)
+                difference = (step().float() - reference)[:real].abs().max().item()
+                timed[setting] = (time_graph(step, 1, args.repeats), difference)
+            shipped_ms = timed[first][0]
+            fastest = sorted(timed.items(), key=lambda item: item[1][0])[:6]
+            by_splits = {
+                s: min(ms for (splits, *_), (ms, _) in timed.items() if splits == s) for s in args.splits
+            }
+            print(
+                json.dumps(
+                    {
+                        "rows": count,
+                        "history": history,
+                        "tokens": real,
+                        "shipped_ms": round(shipped_ms, 4),
+                        "fastest": [
+                            [list(s), round(ms, 4), round(shipped_ms / ms, 3), d] for s, (ms, d) in fastest
+                        ],
+                        "by_splits": {s: round(ms, 4) for s, ms in by_splits.items()},
+                    }
+                )
+            )
+
+
+if __name__ == "__main__":
+    main()
