@@ -33,33 +33,15 @@ def shipped(head_dim: int) -> tuple[int, int, int]:
     return split_attention.launch_for(head_dim)[:3]
 
 
-def launch(q, caches: list[tuple[torch.Tensor, torch.Tensor]], rows: FlashRows, heads: int, setting):
-    """A step that runs both kernels with `setting` once per cache, as `split_cache_attention` does with its
-    launch (its warps too)."""
-    partial_attention, merge_splits = split_attention._kernels()
+def launch(q, caches: list[tuple[torch.Tensor, torch.Tensor]], rows: FlashRows, setting):
+    """A step that runs `split_cache_attention` with `setting` once per cache (the head size's own warps)."""
     splits, block_n, stages = setting
-    tokens, _, head_dim = q.shape
-    kv_heads, length = caches[0][0].shape[1], caches[0][0].shape[2]
-    groups, sequences = heads // kv_heads, rows.seqused.shape[0]
-    block_m = min(split_attention.BLOCK_M, max(16, split_attention._power_of_two(rows.max_q * groups)))
-    m_blocks = -(-rows.max_q * groups // block_m)
-    parts = torch.empty(splits, tokens, heads, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(splits, tokens, heads, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    head_dim = q.shape[-1]
+    chosen = split_attention.Launch(splits, block_n, stages, split_attention.launch_for(head_dim).warps)
 
     def step() -> torch.Tensor:
         for keys, values in caches:
-            partial_attention[(sequences * m_blocks, kv_heads, splits)](
-                q, keys, values, rows.cu_q, rows.cu_k, rows.seqused, parts, lse,
-                head_dim**-0.5, length, tokens, q.stride(0), q.stride(1),
-                GROUPS=groups, HEADS=heads, HEAD_DIM=head_dim, M_BLOCKS=m_blocks, SPLITS=splits,
-                BLOCK_M=block_m, BLOCK_N=block_n, MIN_SPLIT_KEYS=split_attention.MIN_SPLIT_KEYS,
-                num_warps=split_attention.launch_for(head_dim).warps, num_stages=stages,
-            )  # fmt: skip
-            merge_splits[(tokens,)](
-                parts, lse, out, tokens, HEADS=heads, HEADS_P2=split_attention._power_of_two(heads),
-                HEAD_DIM=head_dim, SPLITS=splits, num_warps=4,
-            )  # fmt: skip
+            out = split_attention.split_cache_attention(q, keys, values, rows, head_dim**-0.5, chosen)
         return out
 
     return step
@@ -112,10 +94,10 @@ def main() -> None:
             rows = FlashRows.empty(flash_sequences(tokens, bucket), WIDTH, args.length, device)
             rows.fill_(host.to(device))
             q = torch.randn(tokens, args.heads, args.head_dim, device=device, dtype=dtype)
-            reference = launch(q, caches, rows, args.heads, first)().float().clone()
+            reference = launch(q, caches, rows, first)().float().clone()
             timed = {}
             for setting in sorted(settings):
-                step = launch(q, caches, rows, args.heads, setting)
+                step = launch(q, caches, rows, setting)
                 difference = (step().float() - reference)[:real].abs().max().item()
                 timed[setting] = (time_graph(step, 1, args.repeats), difference)
             shipped_ms = timed[first][0]

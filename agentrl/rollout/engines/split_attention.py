@@ -175,11 +175,16 @@ def _kernels():  # noqa: ANN202 (Triton's JIT functions, built on first use so t
 
 
 def split_cache_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: FlashRows, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: FlashRows,
+    scale: float,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
     """Packed queries `q` (tokens, heads, D) attending causally over their sequences' cache (slots, kv heads,
     positions, D), their own keys and values already written there; (tokens, heads, D). Sequences of at most
-    `rows.max_q` tokens (`_flash_extend.WIDTH`)."""
+    `rows.max_q` tokens (`_flash_extend.WIDTH`). `launch`: the head size's own unless given (a benchmark's)."""
     partial_attention, merge_splits = _kernels()
     tokens, heads, head_dim = q.shape
     _, kv_heads, length, _ = keys.shape
@@ -187,7 +192,7 @@ def split_cache_attention(
     sequences = rows.seqused.shape[0]
     block_m = min(BLOCK_M, max(16, _power_of_two(rows.max_q * groups)))  # sequences of one token: 16 rows
     m_blocks = -(-rows.max_q * groups // block_m)
-    launch = launch_for(head_dim)
+    launch = launch or launch_for(head_dim)
     parts = torch.empty(launch.splits, tokens, heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(launch.splits, tokens, heads, dtype=torch.float32, device=q.device)
     partial_attention[(sequences * m_blocks, kv_heads, launch.splits)](
