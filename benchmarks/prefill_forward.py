@@ -2,21 +2,24 @@
 rows and tokens one admission computes (agents' next turns over cached histories, and first turns).
 
 Through the engine's slot cache as the engine drives it (`SlotBatch.admit`, CUDA graphs, compiled steps):
-`--rows` histories of ~`--history` tokens are prefilled and parked, then each (rows, new tokens) case admits
-that many next turns of that many tokens each, `--repeats` times (each turn's history is the one before plus
-its turn, parked again), and reads the forwards' device time off the engine's counters (timed from the graph
+each (rows, new tokens) case prefills and parks fresh histories of `--history` / 2 to `--history` tokens, then
+admits that many next turns of that many tokens each, `--repeats` times (each turn's history is the one before
+plus its turn, parked again), and reads the forwards' device time off the engine's counters (timed from the graph
 replay: captures and input copies are host work, not counted). A first-turn case (`--first`) admits fresh
 prompts of that many tokens instead (no cached history).
 
     python benchmarks/prefill_forward.py --model tiny:qwen2.5-0.5b-shape --rows 4 8 16 32 64 --new 48 \\
-        --first 256 [--attention flash] [--whole-last-layer]
+        --first 256 [--attention flash] [--whole-last-layer] [--profile 12]
 
-Prints one JSON line per case: rows, tokens a forward, forwards, milliseconds a forward, tokens/s.
+Prints one JSON line per case: rows, tokens a forward, forwards, milliseconds a forward, tokens/s. `--profile N`
+also prints, for each case, the N kernels that took the most device time (`torch.profiler`, microseconds a
+forward, launches a forward): where a forward's time goes, kernel by kernel.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 
@@ -34,6 +37,24 @@ def measured(batch: SlotBatch, admit) -> tuple[int, int, float]:
     admit()
     batch.settle_timings()
     return tuple(batch.counters[k] - before[k] for k in before)
+
+
+def kernel_table(profiler: torch.profiler.profile, forwards: int, top: int) -> tuple[float, list[dict]]:
+    """Microseconds in kernels per forward over a profiled case (the admission's: its forwards' and the few after
+    them that draw the first tokens; the forward's time beyond its own kernels is the gaps between them), and the
+    `top` kernels by device time: name, microseconds and launches a forward."""
+    spent: collections.Counter[str] = collections.Counter()
+    launches: collections.Counter[str] = collections.Counter()
+    for event in profiler.events():
+        copy = event.name.startswith(("Memcpy", "Memset"))  # the inputs' copies: before the timed replay
+        if event.device_type == torch.autograd.DeviceType.CUDA and not copy:
+            spent[event.name] += event.device_time_total
+            launches[event.name] += 1
+    table = [
+        {"kernel": name[:90], "us": round(us / forwards, 1), "launches": round(launches[name] / forwards, 1)}
+        for name, us in spent.most_common(top)
+    ]
+    return round(sum(spent.values()) / forwards, 1), table
 
 
 def main() -> None:
@@ -59,6 +80,9 @@ def main() -> None:
         action="store_true",
         help="compute the last layer for every token, not only each row's last (`_slot_decode.TRIM_LAST_LAYER`)",
     )
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="print each case's N costliest kernels (0: none)"
+    )
     args = parser.parse_args()
     _slot_decode.TRIM_LAST_LAYER = not args.whole_last_layer
     if args.attention == "flash":
@@ -82,39 +106,51 @@ def main() -> None:
     def fresh(n: int) -> list[int]:
         return [rng.randrange(10, vocab) for _ in range(n)]
 
-    histories = [fresh(rng.randint(args.history // 2, args.history)) for _ in range(max(args.rows))]
-    batch.admit(histories, [1] * len(histories), reserve=4000)
-    batch.keep([], finished=dict(enumerate(histories)))
+    histories: list[list[int]] = []
+
+    def new_histories() -> None:
+        """Prefill and park fresh histories (not timed), so that every case starts from the same lengths."""
+        histories[:] = [fresh(rng.randint(args.history // 2, args.history)) for _ in range(max(args.rows))]
+        batch.admit(histories, [1] * len(histories), reserve=4000)
+        batch.keep([], finished=dict(enumerate(histories)))
+
     cases = [("next turn", rows, args.new) for rows in args.rows]
     cases += [("first turn", rows, args.first) for rows in args.rows if args.first]
+
+    def admissions(kind: str, rows: int, new: int, times: int) -> tuple[int, int, float]:
+        """Admit `times` rounds of the case; the forwards, tokens and device seconds they took."""
+        totals = (0, 0, 0.0)
+        for _ in range(times):
+            if kind == "next turn":
+                prompts = [h + fresh(new) for h in histories[:rows]]
+            else:
+                prompts = [fresh(new) for _ in range(rows)]
+            got = measured(batch, lambda p=prompts: batch.admit(p, [1] * len(p), reserve=4000))
+            totals = tuple(a + b for a, b in zip(totals, got, strict=True))
+            batch.keep([], finished=dict(enumerate(prompts)) if kind == "next turn" else {})
+            if kind == "next turn":
+                histories[:rows] = prompts
+        return totals
+
     for kind, rows, new in cases:
-        for warm in (True, False):  # the first admission of a shape captures its graph
-            totals = [0, 0, 0.0]
-            for _ in range(1 if warm else args.repeats):
-                if kind == "next turn":
-                    prompts = [h + fresh(new) for h in histories[:rows]]
-                else:
-                    prompts = [fresh(new) for _ in range(rows)]
-                got = measured(batch, lambda p=prompts: batch.admit(p, [1] * len(p), reserve=4000))
-                totals = [a + b for a, b in zip(totals, got, strict=True)]
-                batch.keep([], finished=dict(enumerate(prompts)) if kind == "next turn" else {})
-                if kind == "next turn":
-                    histories[:rows] = prompts
-            if warm:
-                continue
-            forwards, tokens, seconds = totals
-            print(
-                json.dumps(
-                    {
-                        "case": kind,
-                        "rows": rows,
-                        "tokens_per_forward": round(tokens / forwards),
-                        "forwards": forwards,
-                        "ms_per_forward": round(1000 * seconds / forwards, 3),
-                        "tokens_per_s": round(tokens / seconds),
-                    }
-                )
+        new_histories()
+        admissions(kind, rows, new, 1)  # the first admission of a shape captures its graph
+        forwards, tokens, seconds = admissions(kind, rows, new, args.repeats)
+        result = {
+            "case": kind,
+            "rows": rows,
+            "tokens_per_forward": round(tokens / forwards),
+            "forwards": forwards,
+            "ms_per_forward": round(1000 * seconds / forwards, 3),
+            "tokens_per_s": round(tokens / seconds),
+        }
+        if args.profile:  # more rounds under the profiler, so that it does not touch the timed ones
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+                profiled = admissions(kind, rows, new, args.repeats)
+            result["admission_us_in_kernels"], result["kernels"] = kernel_table(
+                profiler, profiled[0], args.profile
             )
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

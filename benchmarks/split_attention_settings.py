@@ -1,5 +1,5 @@
 """The split cache attention's launch settings (`split_attention.py`) swept at the shapes the engine gives it, on a GPU:
-key ranges per sequence, keys a step and pipeline stages, for next turns of 32-64 tokens over cached histories, laid
+key ranges per sequence, keys a step, pipeline stages, warps and query rows a program, for next turns of 32-64 tokens over cached histories, laid
 out as the extend step lays them (`packed_rows`: tokens padded to a multiple of `WIDTH`, rows to a power of two, the
 padding's sequences included). Each setting runs as one CUDA graph of `--layers` calls, the partial kernel and the
 merge together, each call over a cache of its own as a forward's layers read theirs: with `--one-cache` every call
@@ -9,8 +9,8 @@ reads the same cache, which then stays in the GPU's L2 and favours settings that
     python benchmarks/split_attention_settings.py --rows 8 16 32 --heads 12 --kv-heads 2 --head-dim 128
 
 Prints one JSON line per (rows, history): the shipped setting's milliseconds, the six fastest settings (splits,
-keys a step, stages; ms; shipped / it; largest difference from the shipped output) and the fastest time for each
-split count.
+keys a step, stages, warps, query rows; ms; shipped / it; largest difference from the shipped output) and the
+fastest time for each split count.
 """
 
 from __future__ import annotations
@@ -26,22 +26,16 @@ from extend_attention import time_graph
 from agentrl.rollout.engines import split_attention
 from agentrl.rollout.engines._flash_extend import WIDTH, flash_sequences, packed_rows
 from agentrl.rollout.engines.flash_attention import FlashRows
+from agentrl.rollout.engines.split_attention import Launch
 
 
-def shipped(head_dim: int) -> tuple[int, int, int]:
-    """(splits, keys a step, stages) as `split_cache_attention` launches for heads `head_dim` wide."""
-    return split_attention.launch_for(head_dim)[:3]
-
-
-def launch(q, caches: list[tuple[torch.Tensor, torch.Tensor]], rows: FlashRows, setting):
-    """A step that runs `split_cache_attention` with `setting` once per cache (the head size's own warps)."""
-    splits, block_n, stages = setting
+def launch(q, caches: list[tuple[torch.Tensor, torch.Tensor]], rows: FlashRows, setting: Launch):
+    """A step that runs `split_cache_attention` with `setting` once per cache."""
     head_dim = q.shape[-1]
-    chosen = split_attention.Launch(splits, block_n, stages, split_attention.launch_for(head_dim).warps)
 
     def step() -> torch.Tensor:
         for keys, values in caches:
-            out = split_attention.split_cache_attention(q, keys, values, rows, head_dim**-0.5, chosen)
+            out = split_attention.split_cache_attention(q, keys, values, rows, head_dim**-0.5, setting)
         return out
 
     return step
@@ -58,6 +52,8 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="+", default=[2, 3, 4, 6])
     parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--warps", type=int, nargs="+", help="default: the shipped launch's")
+    parser.add_argument("--block-m", type=int, nargs="+", help="query rows a program; default: the shipped's")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--one-cache", action="store_true", help="every call reads the same cache")
     parser.add_argument("--slots", type=int, default=128)
@@ -76,8 +72,15 @@ def main() -> None:
         for _ in range(distinct)
     ]
     caches = caches * (args.layers // distinct)
-    first = shipped(args.head_dim)
-    settings = {*itertools.product(args.splits, args.block_n, args.stages), first}
+    first = split_attention.launch_for(args.head_dim)
+    grid = (
+        args.splits,
+        args.block_n,
+        args.stages,
+        args.warps or [first.warps],
+        args.block_m or [first.block_m],
+    )
+    settings = {*(Launch(*setting) for setting in itertools.product(*grid)), first}
     rng = random.Random(args.seed)
     device_name = torch.cuda.get_device_name(device)
     print(json.dumps({"device": device_name, "shipped": first, "caches": distinct, "layers": args.layers}))

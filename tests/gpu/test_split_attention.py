@@ -8,7 +8,7 @@ import torch
 
 from agentrl.rollout.engines._flash_extend import WIDTH, flash_sequences, packed_rows
 from agentrl.rollout.engines.flash_attention import FlashRows, cache_view, varlen_kernel
-from agentrl.rollout.engines.split_attention import split_cache_attention
+from agentrl.rollout.engines.split_attention import Launch, split_cache_attention
 from tests.unit.rollout.engines.test_slot_steps import reference_varlen_kernel
 
 pytestmark = [
@@ -25,11 +25,10 @@ HEAD_LAYOUTS = pytest.mark.parametrize(
 """The head layouts of the models the engine serves (and one without grouping), for the Triton kernels' tests."""
 
 
-@HEAD_LAYOUTS
-def test_split_attention_matches_flash_attention_and_a_float32_reference(heads, kv_heads, head_dim):
-    """Next turns over histories of 0-2,000 cached positions, a first turn cut into sequences of `WIDTH`, a row
-    of one token, and the padding's sequences: every output row no further from a float32 reference than
-    FlashAttention's (bf16 rounding of the inputs and output), the padding's rows finite."""
+def attention_case(heads: int, kv_heads: int, head_dim: int):
+    """Next turns over histories of 0-2,000 cached positions, a first turn cut into sequences of `WIDTH`, a row of
+    one token, and the padding's sequences: (q, keys, values, rows, scale), a float32 reference's output and
+    FlashAttention's largest error from it per token."""
     torch.manual_seed(0)
     device, length, slots = torch.device("cuda"), 2048, 12
     keys = torch.randn(slots, kv_heads, length, head_dim, dtype=torch.bfloat16, device=device)
@@ -48,16 +47,44 @@ def test_split_attention_matches_flash_attention_and_a_float32_reference(heads, 
     rows.fill_(sequences.to(device))
     q = torch.randn(tokens, heads, head_dim, dtype=torch.bfloat16, device=device)
     scale = head_dim**-0.5
-
-    split = split_cache_attention(q, keys, values, rows, scale).float()
     flash = varlen_kernel(q, cache_view(keys), cache_view(values), rows, scale).float()
     cpu_rows = FlashRows(*(t.cpu() for t in (rows.cu_q, rows.cu_k, rows.seqused)), rows.max_q, rows.max_k)
     reference = reference_varlen_kernel(
         q.float().cpu(), cache_view(keys.float().cpu()), cache_view(values.float().cpu()), cpu_rows, scale
     ).to(device)
+    return (q, keys, values, rows, scale), reference, (flash - reference).abs().amax(dim=(1, 2))
 
+
+def assert_as_close_as_flash(split: torch.Tensor, reference: torch.Tensor, flash_error: torch.Tensor) -> None:
+    """Every output row no further from the reference than FlashAttention's (bf16 rounding of the inputs and
+    output), the padding's rows finite."""
     assert split.isfinite().all()
     split_error = (split - reference).abs().amax(dim=(1, 2))
-    flash_error = (flash - reference).abs().amax(dim=(1, 2))
     assert (split_error <= 1.5 * flash_error + 2e-3).all(), (split_error.max(), flash_error.max())
     assert split_error.max() < 2e-2
+
+
+@HEAD_LAYOUTS
+def test_split_attention_matches_flash_attention_and_a_float32_reference(heads, kv_heads, head_dim):
+    """The launch each head size gets, at every layout the engine serves."""
+    inputs, reference, flash_error = attention_case(heads, kv_heads, head_dim)
+    assert_as_close_as_flash(split_cache_attention(*inputs).float(), reference, flash_error)
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [
+        Launch(2, 32, 3, 4),
+        Launch(4, 64, 2, 8, block_m=128),
+        Launch(3, 64, 1, 2, block_m=32),
+        Launch(6, 32, 2, 4),
+    ],
+    ids=lambda launch: "-".join(map(str, launch)),
+)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (12, 2, 128)], ids=["0.5b", "1.5b"])
+def test_every_launch_setting_gives_the_same_attention(heads, kv_heads, head_dim, launch):
+    """Launches other than the shipped ones (what `benchmarks/split_attention_settings.py` sweeps: ranges, keys a
+    step, stages, warps, query rows a program) compute the same attention, so a sweep's timings compare like with
+    like and a setting it finds can ship."""
+    inputs, reference, flash_error = attention_case(heads, kv_heads, head_dim)
+    assert_as_close_as_flash(split_cache_attention(*inputs, launch).float(), reference, flash_error)

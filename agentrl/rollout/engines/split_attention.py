@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 MIN_SPLIT_KEYS = 256
 """Keys a range holds at least: a sequence of fewer keys (a first turn's first sequences) runs in fewer programs,
 whose partial outputs (float32, written and read again by the merge) cost more than its keys do."""
-BLOCK_M = 64
-"""Query rows (tokens x query heads of one kv head) per program."""
 
 
 class Launch(NamedTuple):
@@ -43,6 +41,8 @@ class Launch(NamedTuple):
     stages: int
     """Triton's software pipeline stages (loads of the next key blocks in flight while one is computed)."""
     warps: int
+    block_m: int = 64
+    """Query rows (tokens x query heads of one kv head) per program."""
 
 
 NARROW_HEADS = Launch(splits=4, block_n=64, stages=2, warps=4)
@@ -190,9 +190,9 @@ def split_cache_attention(
     _, kv_heads, length, _ = keys.shape
     groups = heads // kv_heads
     sequences = rows.seqused.shape[0]
-    block_m = min(BLOCK_M, max(16, _power_of_two(rows.max_q * groups)))  # sequences of one token: 16 rows
-    m_blocks = -(-rows.max_q * groups // block_m)
     launch = launch or launch_for(head_dim)
+    block_m = min(launch.block_m, max(16, _power_of_two(rows.max_q * groups)))  # sequences of one token: 16
+    m_blocks = -(-rows.max_q * groups // block_m)
     parts = torch.empty(launch.splits, tokens, heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(launch.splits, tokens, heads, dtype=torch.float32, device=q.device)
     partial_attention[(sequences * m_blocks, kv_heads, launch.splits)](
