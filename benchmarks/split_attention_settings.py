@@ -1,16 +1,17 @@
 """The split cache attention's launch settings (`split_attention.py`) swept at the shapes the engine gives it, on a GPU:
-key ranges per sequence, keys a step, pipeline stages, warps and query rows a program, for next turns of 32-64 tokens over cached histories, laid
-out as the extend step lays them (`packed_rows`: tokens padded to a multiple of `WIDTH`, rows to a power of two, the
-padding's sequences included). Each setting runs as one CUDA graph of `--layers` calls, the partial kernel and the
-merge together, each call over a cache of its own as a forward's layers read theirs: with `--one-cache` every call
-reads the same cache, which then stays in the GPU's L2 and favours settings that pipeline their loads less.
+key ranges per sequence, keys a step, pipeline stages, warps, query rows a program and registers a thread, for next
+turns of 32-64 tokens over cached histories, laid out as the extend step lays them (`packed_rows`: tokens padded to
+a multiple of `WIDTH`, rows to a power of two, the padding's sequences included). Each setting runs as one CUDA
+graph of `--layers` calls, the partial kernel and the merge together, each call over a cache of its own as a
+forward's layers read theirs: with `--one-cache` every call reads the same cache, which then stays in the GPU's L2
+and favours settings that pipeline their loads less.
 
     python benchmarks/split_attention_settings.py --rows 4 8 12 16 24 32 --histories 600 1200
     python benchmarks/split_attention_settings.py --rows 8 16 32 --heads 12 --kv-heads 2 --head-dim 128
 
 Prints one JSON line per (rows, history): the shipped setting's milliseconds, the six fastest settings (splits,
-keys a step, stages, warps, query rows; ms; shipped / it; largest difference from the shipped output) and the
-fastest time for each split count.
+keys a step, stages, warps, query rows, registers; ms; shipped / it; largest difference from the shipped output)
+and the fastest time for each split count.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--warps", type=int, nargs="+", help="default: the shipped launch's")
     parser.add_argument("--block-m", type=int, nargs="+", help="query rows a program; default: the shipped's")
+    parser.add_argument(
+        "--registers",
+        type=int,
+        nargs="+",
+        help="most registers a thread (0: the compiler's choice, the default)",
+    )
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--one-cache", action="store_true", help="every call reads the same cache")
     parser.add_argument("--slots", type=int, default=128)
@@ -79,6 +86,7 @@ def main() -> None:
         args.stages,
         args.warps or [first.warps],
         args.block_m or [first.block_m],
+        [r or None for r in args.registers or [0]],
     )
     settings = {*(Launch(*setting) for setting in itertools.product(*grid)), first}
     rng = random.Random(args.seed)
@@ -99,7 +107,7 @@ def main() -> None:
             q = torch.randn(tokens, args.heads, args.head_dim, device=device, dtype=dtype)
             reference = launch(q, caches, rows, first)().float().clone()
             timed = {}
-            for setting in sorted(settings):
+            for setting in sorted(settings, key=lambda s: [-1 if v is None else v for v in s]):
                 step = launch(q, caches, rows, setting)
                 difference = (step().float() - reference)[:real].abs().max().item()
                 timed[setting] = (time_graph(step, 1, args.repeats), difference)

@@ -78,13 +78,14 @@ def test_split_attention_matches_flash_attention_and_a_float32_reference(heads, 
         Launch(4, 64, 2, 8, block_m=128),
         Launch(3, 64, 1, 2, block_m=32),
         Launch(6, 32, 2, 4),
+        Launch(4, 64, 2, 4, registers=96),
     ],
     ids=lambda launch: "-".join(map(str, launch)),
 )
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (12, 2, 128)], ids=["0.5b", "1.5b"])
 def test_every_launch_setting_gives_the_same_attention(heads, kv_heads, head_dim, launch):
     """Launches other than the shipped ones (what `benchmarks/split_attention_settings.py` sweeps: ranges, keys a
-    step, stages, warps, query rows a program) compute the same attention, so a sweep's timings compare like with
+    step, stages, warps, query rows a program, registers a thread) compute the same attention, so a sweep's timings compare like with
     like and a setting it finds can ship."""
     inputs, reference, flash_error = attention_case(heads, kv_heads, head_dim)
     assert_as_close_as_flash(split_cache_attention(*inputs, launch).float(), reference, flash_error)

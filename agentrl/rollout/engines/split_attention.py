@@ -43,6 +43,8 @@ class Launch(NamedTuple):
     warps: int
     block_m: int = 64
     """Query rows (tokens x query heads of one kv head) per program."""
+    registers: int | None = None
+    """Most registers a thread may take (Triton's `maxnreg`), None: as many as the compiler picks."""
 
 
 NARROW_HEADS = Launch(splits=4, block_n=64, stages=2, warps=4)
@@ -201,6 +203,7 @@ def split_cache_attention(
         GROUPS=groups, HEADS=heads, HEAD_DIM=head_dim, M_BLOCKS=m_blocks, SPLITS=launch.splits,
         BLOCK_M=block_m, BLOCK_N=launch.block_n, MIN_SPLIT_KEYS=MIN_SPLIT_KEYS,
         num_warps=launch.warps, num_stages=launch.stages,
+        **({} if launch.registers is None else {"maxnreg": launch.registers}),
     )  # fmt: skip
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     merge_splits[(tokens,)](
