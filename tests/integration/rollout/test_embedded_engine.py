@@ -312,12 +312,14 @@ def test_a_sleeping_engine_and_the_thread_that_wakes_it_give_their_openmp_worker
             torch.ones(4_000_000).mul_(2).sum()  # an update's parallel work: this thread's pool
             counts["updating"] = _process_threads()
             engine.wake_up()
+            # The pool's workers end on their own, soon after: waited for here, in the thread whose pool it is.
+            counts["released"] = _until(lambda: _process_threads() == counts["updating"] - 2)
             counts["rolling out"] = _process_threads()
 
         thread = threading.Thread(target=trainer)
         thread.start()
         thread.join()
-        assert counts["rolling out"] == counts["updating"] - 2
+        assert counts["released"], counts
         outs = asyncio.run(engine.generate(long_prompts[0], params))  # awake: generates again
         assert len(outs[0].token_ids) == 4
     finally:
