@@ -133,7 +133,8 @@ def main() -> None:
         return totals
 
     for kind, rows, new in cases:
-        new_histories()
+        if kind == "next turn":
+            new_histories()
         admissions(kind, rows, new, 1)  # the first admission of a shape captures its graph
         forwards, tokens, seconds = admissions(kind, rows, new, args.repeats)
         result = {
