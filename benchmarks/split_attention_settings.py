@@ -9,9 +9,10 @@ and favours settings that pipeline their loads less.
     python benchmarks/split_attention_settings.py --rows 4 8 12 16 24 32 --histories 600 1200
     python benchmarks/split_attention_settings.py --rows 8 16 32 --heads 12 --kv-heads 2 --head-dim 128
 
-Prints one JSON line per (rows, history): the shipped setting's milliseconds, the six fastest settings (splits,
-keys a step, stages, warps, query rows, registers; ms; shipped / it; largest difference from the shipped output)
-and the fastest time for each split count.
+Prints one JSON line per (rows, history): the shipped setting's milliseconds (its key ranges as
+`split_attention.ranges_for` picks them for the forward's tokens), the six fastest settings (splits, keys a step,
+stages, warps, query rows, registers; each at a fixed number of ranges; ms; shipped / it; largest difference from
+the shipped output) and the fastest time for each split count.
 """
 
 from __future__ import annotations

@@ -8,7 +8,13 @@ import torch
 
 from agentrl.rollout.engines._flash_extend import WIDTH, flash_sequences, packed_rows
 from agentrl.rollout.engines.flash_attention import FlashRows, cache_view, varlen_kernel
-from agentrl.rollout.engines.split_attention import Launch, split_cache_attention
+from agentrl.rollout.engines.split_attention import (
+    NARROW_HEADS,
+    WIDE_HEADS,
+    Launch,
+    ranges_for,
+    split_cache_attention,
+)
 from tests.unit.rollout.engines.test_slot_steps import reference_varlen_kernel
 
 pytestmark = [
@@ -33,6 +39,8 @@ def attention_case(heads: int, kv_heads: int, head_dim: int):
     device, length, slots = torch.device("cuda"), 2048, 12
     keys = torch.randn(slots, kv_heads, length, head_dim, dtype=torch.bfloat16, device=device)
     values = torch.randn_like(keys)
+    # a value that moves the output by ~0.06 where it is seen one position early (by the query at 1,086)
+    values[1, :, 1087] = 64.0
     runs = [
         (3, 900, list(range(48))),
         (0, 1990, list(range(40))),
@@ -40,6 +48,8 @@ def attention_case(heads: int, kv_heads: int, head_dim: int):
         (11, 511, [5]),
         (5, 64, list(range(64))),
         (9, 1200, list(range(17))),
+        # keys 1,024-1,087 make one block, which holds the first query's (1,086) and the next query's own key
+        (1, 1086, list(range(30))),
     ]
     tokens, bucket = 576, 8
     packed, sequences = packed_rows(runs, tokens, bucket, kv_heads, length, length - 1)
@@ -89,3 +99,21 @@ def test_every_launch_setting_gives_the_same_attention(heads, kv_heads, head_dim
     like and a setting it finds can ship."""
     inputs, reference, flash_error = attention_case(heads, kv_heads, head_dim)
     assert_as_close_as_flash(split_cache_attention(*inputs, launch).float(), reference, flash_error)
+
+
+def test_larger_forwards_split_their_keys_into_fewer_ranges():
+    """The shipped launches' key ranges per sequence, on a GPU of 132 SMs (H100, H200): four for a forward of eight
+    48-token next turns of the 0.5B layout, two from twelve (docs/benchmarks.md's sweep); a launch without a
+    wave keeps its own."""
+    device = torch.device("cuda")
+    if torch.cuda.get_device_properties(device).multi_processor_count != 132:
+        pytest.skip("the ranges are calibrated for 132 SMs")
+    assert [ranges_for(NARROW_HEADS, tokens, 14, device) for tokens in (320, 384, 512, 576, 1536)] == [
+        4,
+        4,
+        3,
+        2,
+        2,
+    ]
+    assert [ranges_for(WIDE_HEADS, tokens, 12, device) for tokens in (384, 768)] == [3, 2]
+    assert ranges_for(Launch(3, 64, 2, 4), 4096, 14, device) == 3

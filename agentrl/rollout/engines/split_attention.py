@@ -6,8 +6,13 @@ cached keys are eight steps one after another, so a 12-row forward of the 0.5B s
 (two fifths of the forward) for work an H200 does in a few. This kernel
 - takes a kv head's query heads together as one block's rows (grouped-query attention packed: row r is token
   r // groups under query head r % groups of that kv head), so one load of a key block serves all of them;
-- splits each sequence's keys into a few ranges (`Launch.splits`), each its own program, and merges their partial
-  outputs by their log-sum-exps in a second kernel (what flash-decoding does for one query).
+- splits each sequence's keys into a few ranges (`ranges_for`: fewer for larger forwards, so that the programs
+  stay within one wave of the GPU), each its own program, and merges their partial outputs by their log-sum-exps
+  in a second kernel (what flash-decoding does for one query);
+- walks the keys every query of the sequence sees (the history) in whole blocks without a mask, and only the
+  rest (the turn's own keys, a range's ragged end) with the causal mask: a program's time is its steps one
+  after another (~1.3 us per 64 keys on an H200), and a step without the mask's compares and selects is shorter
+  (with the launches below, the engine's 0.5B prefill forwards 5-9% faster, docs/benchmarks.md).
 
 It reads the same `FlashRows` as the varlen kernel and the cache where it lies, (slots, kv heads, positions, D):
 sequence i's queries are q[cu_q[i]:cu_q[i+1]], its keys under kv head h the `seqused[i]` positions from flat
@@ -35,7 +40,7 @@ class Launch(NamedTuple):
     """How the partial kernel runs for one head size."""
 
     splits: int
-    """Key ranges per sequence, at most: ~1,000 cached keys in four programs of ~4 steps of `block_n`."""
+    """Key ranges per sequence, at most (`ranges_for` picks fewer for larger forwards)."""
     block_n: int
     """Keys per step of a program."""
     stages: int
@@ -45,22 +50,42 @@ class Launch(NamedTuple):
     """Query rows (tokens x query heads of one kv head) per program."""
     registers: int | None = None
     """Most registers a thread may take (Triton's `maxnreg`), None: as many as the compiler picks."""
+    wave: int = 0
+    """Programs of this launch that one wave of a 132-SM GPU (H100, H200) runs, as calibrated by the sweeps
+    (`ranges_for`); 0: always `splits` ranges (a benchmark's fixed setting)."""
 
 
-NARROW_HEADS = Launch(splits=4, block_n=64, stages=2, warps=4)
-"""Heads of at most 64 (Qwen2.5-0.5B, SmolLM2). Swept at 4-32 next turns over 300-1,200 cached tokens, other settings
-were up to 1.2x faster at single sizes, the fastest differing from size to size, and 3 ranges one stage deep (the
-fastest at 12 rows) made the engine's 12- and 16-row forwards 3-4% slower (docs/benchmarks.md)."""
-WIDE_HEADS = Launch(splits=3, block_n=32, stages=3, warps=8)
-"""Heads over 64 wide (Qwen2.5-1.5B's and 7B's 128): the blocks hold twice the values, so 8 warps a program, and
-keys in steps of 32, three stages deep. At the 1.5B shape (H200, 8-32 next turns over 600-1,200 cached tokens,
-`benchmarks/split_attention_settings.py`) the attention ran 1.26-1.37x faster than with the launch they had before
-(4 ranges, steps of 64 keys, two stages deep), and the engine's prefill forwards 1.06-1.10x."""
+NARROW_HEADS = Launch(splits=4, block_n=64, stages=3, warps=4, wave=360)
+"""Heads of at most 64 (Qwen2.5-0.5B, SmolLM2). Swept (fifty-fourth session, H200, 6-32 next turns over 300-1,200
+cached tokens, `benchmarks/split_attention_settings.py`): three stages nearly everywhere; four ranges fastest at 8
+next turns of ~48 tokens over long histories (384 tokens a forward), three at 10, two from 12 (`wave`: 360 programs, about the three
+an SM holds at once, less each sequence's partly filled last query block)."""
+WIDE_HEADS = Launch(splits=3, block_n=64, stages=3, warps=4, wave=264)
+"""Heads over 64 wide (Qwen2.5-1.5B's and 7B's 128). With the history's blocks unmasked, 4 warps a program beat 8 at
+every size swept (8-32 next turns over 600-1,200 cached tokens), steps of 64 keys beat 32 by 1.25x at 8 rows and
+lost by more than 1.13x at 16 over short histories; three ranges fastest at 8 rows, two from 16 (`wave` 264: two
+programs an SM, each holding three stages of 64 x 128 keys and values)."""
 
 
 def launch_for(head_dim: int) -> Launch:
     """The partial kernel's launch for heads `head_dim` wide."""
     return NARROW_HEADS if head_dim <= 64 else WIDE_HEADS
+
+
+def ranges_for(launch: Launch, tokens: int, heads: int, device: torch.device) -> int:
+    """Key ranges per sequence for a forward of `tokens` tokens: as many as keep its programs (about tokens x heads
+    / `block_m` query blocks, times the ranges) within one wave of the GPU, from 2 to `launch.splits`. A program's
+    time is its steps one after another, so a second wave costs as much as the first, and fewer ranges than a
+    wave holds leave SMs idle while each program takes more steps (docs/benchmarks.md)."""
+    if not launch.wave:
+        return launch.splits
+    wave = launch.wave * _multiprocessors(device) / 132
+    return max(2, min(launch.splits, int(wave * launch.block_m // (tokens * heads))))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
@@ -115,12 +140,28 @@ def _kernels():  # noqa: ANN202 (Triton's JIT functions, built on first use so t
         per_split = tl.maximum(tl.cdiv(tl.cdiv(keys_used, SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT_KEYS)
         begin = split * per_split
         end = tl.minimum(begin + per_split, keys_used)
+        # Whole key blocks up to the first query's position: every query of the sequence sees all of them, so
+        # they need no mask (the history, most of a next turn's keys); the rest (its own keys, a range's ragged
+        # end) are masked.
+        seen_by_all = begin + tl.maximum(tl.minimum(end, first_own + 1) - begin, 0) // BLOCK_N * BLOCK_N
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         scale_log2 = scale * 1.4426950408889634
-        for start in range(begin, end, BLOCK_N):
-            positions = start + tl.arange(0, BLOCK_N)
+        keys = tl.arange(0, BLOCK_N)
+        for start in range(begin, seen_by_all, BLOCK_N):
+            at = (key_base + start + keys)[:, None] * HEAD_DIM + dims[None, :]
+            k = tl.load(k_ptr + at)
+            v = tl.load(v_ptr + at)
+            scores = tl.dot(q, tl.trans(k))
+            new_top = tl.maximum(top, tl.max(scores, 1) * scale_log2)  # finite: every score is
+            weights = tl.exp2(scores * scale_log2 - new_top[:, None])
+            rescale = tl.exp2(top - new_top)
+            total = total * rescale + tl.sum(weights, 1)
+            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
+            top = new_top
+        for start in range(seen_by_all, end, BLOCK_N):
+            positions = start + keys
             key_ok = positions < end
             at = (key_base + positions)[:, None] * HEAD_DIM + dims[None, :]
             k = tl.load(k_ptr + at, mask=key_ok[:, None], other=0.0)
@@ -193,14 +234,15 @@ def split_cache_attention(
     groups = heads // kv_heads
     sequences = rows.seqused.shape[0]
     launch = launch or launch_for(head_dim)
+    splits = ranges_for(launch, tokens, heads, q.device)
     block_m = min(launch.block_m, max(16, _power_of_two(rows.max_q * groups)))  # sequences of one token: 16
     m_blocks = -(-rows.max_q * groups // block_m)
-    parts = torch.empty(launch.splits, tokens, heads, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(launch.splits, tokens, heads, dtype=torch.float32, device=q.device)
-    partial_attention[(sequences * m_blocks, kv_heads, launch.splits)](
+    parts = torch.empty(splits, tokens, heads, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, tokens, heads, dtype=torch.float32, device=q.device)
+    partial_attention[(sequences * m_blocks, kv_heads, splits)](
         q, keys, values, rows.cu_q, rows.cu_k, rows.seqused, parts, lse,
         scale, length, tokens, q.stride(0), q.stride(1),
-        GROUPS=groups, HEADS=heads, HEAD_DIM=head_dim, M_BLOCKS=m_blocks, SPLITS=launch.splits,
+        GROUPS=groups, HEADS=heads, HEAD_DIM=head_dim, M_BLOCKS=m_blocks, SPLITS=splits,
         BLOCK_M=block_m, BLOCK_N=launch.block_n, MIN_SPLIT_KEYS=MIN_SPLIT_KEYS,
         num_warps=launch.warps, num_stages=launch.stages,
         **({} if launch.registers is None else {"maxnreg": launch.registers}),
@@ -208,7 +250,7 @@ def split_cache_attention(
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     merge_splits[(tokens,)](
         parts, lse, out, tokens,
-        HEADS=heads, HEADS_P2=_power_of_two(heads), HEAD_DIM=head_dim, SPLITS=launch.splits, num_warps=4,
+        HEADS=heads, HEADS_P2=_power_of_two(heads), HEAD_DIM=head_dim, SPLITS=splits, num_warps=4,
     )  # fmt: skip
     return out
 
