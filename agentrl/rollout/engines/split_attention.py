@@ -154,7 +154,7 @@ def _kernels():  # noqa: ANN202 (Triton's JIT functions, built on first use so t
             k = tl.load(k_ptr + at)
             v = tl.load(v_ptr + at)
             scores = tl.dot(q, tl.trans(k))
-            new_top = tl.maximum(top, tl.max(scores, 1) * scale_log2)  # finite: every score is
+            new_top = tl.maximum(top, tl.max(scores, 1) * scale_log2)  # finite: no score is masked
             weights = tl.exp2(scores * scale_log2 - new_top[:, None])
             rescale = tl.exp2(top - new_top)
             total = total * rescale + tl.sum(weights, 1)
