@@ -58,8 +58,8 @@ class Launch(NamedTuple):
 NARROW_HEADS = Launch(splits=4, block_n=64, stages=3, warps=4, wave=360)
 """Heads of at most 64 (Qwen2.5-0.5B, SmolLM2). Swept (fifty-fourth session, H200, 6-32 next turns over 300-1,200
 cached tokens, `benchmarks/split_attention_settings.py`): three stages nearly everywhere; four ranges fastest at 8
-next turns of ~48 tokens over long histories (384 tokens a forward), three at 10, two from 12 (`wave`: 360 programs, about the three
-an SM holds at once, less each sequence's partly filled last query block)."""
+next turns of ~48 tokens over long histories (384 tokens a forward), three at 10, two from 12 (`wave`: 360
+programs, about the three an SM holds at once, less each sequence's partly filled last query block)."""
 WIDE_HEADS = Launch(splits=3, block_n=64, stages=3, warps=4, wave=264)
 """Heads over 64 wide (Qwen2.5-1.5B's and 7B's 128). With the history's blocks unmasked, 4 warps a program beat 8 at
 every size swept (8-32 next turns over 600-1,200 cached tokens), steps of 64 keys beat 32 by 1.25x at 8 rows and
