@@ -227,6 +227,8 @@ class TrainerConfig(_Section):
     """Share of each step's episodes saved (picked by episode id, the same on a rerun); 0 saves none."""
     rollout_trace_freq: int = 25
     """With the mlflow logger, log the saved episodes of every N-th step and of the last step as MLflow traces; -1 never."""
+    rollout_trace_max_episodes: int = 16
+    """Of a traced step, the first N saved episodes of each split become MLflow traces (whole GRPO groups); -1 all."""
     project_name: str = Field("agentrl", min_length=1)
     """Project (MLflow experiment) name."""
     experiment_name: str = Field("default", min_length=1)
@@ -248,6 +250,16 @@ class TrainerConfig(_Section):
     @classmethod
     def _valid_freq(cls, value: int) -> int:
         return _check_freq(value)
+
+    @field_validator("rollout_trace_max_episodes")
+    @classmethod
+    def _valid_trace_cap(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError(
+                f"must be a positive number of episodes or -1 (all), got {value}; "
+                "trainer.rollout_trace_freq=-1 turns traces off"
+            )
+        return value
 
 
 class ResourcePoolConfig(_Section):

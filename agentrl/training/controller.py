@@ -279,6 +279,7 @@ class Controller:
             config_digest=config_hash(cfg),
             on_records=self.tracker.log_rollouts,
             trace_freq=cfg.trainer.rollout_trace_freq,
+            trace_max_episodes=cfg.trainer.rollout_trace_max_episodes,
             last_step=self.total_steps,
         )
         if resume_from is not None:

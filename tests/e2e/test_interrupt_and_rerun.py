@@ -32,8 +32,7 @@ def _command(run_dir: Path) -> list[str]:
     return [
         str(script), "train", "--config", str(REPO / "configs" / "arithmetic.yaml"),
         f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=4", "trainer.save_freq=2",
-        "trainer.test_freq=4", "sft.max_steps=10", "data.val_files=${data.train_files}",
-        "data.val_batch_size=64",
+        "trainer.test_freq=4", "sft.max_steps=10", "data.val_batch_size=64",
     ]  # fmt: skip
 
 

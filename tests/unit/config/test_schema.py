@@ -95,6 +95,7 @@ def test_interpolations_resolve_for_configs_built_in_python():
         ("actor_rollout_ref.rollout.gpu_memory_utilization", 1.5, "less than or equal to 1"),
         ("trainer.save_freq", 0, "-1 (never) or a positive number"),
         ("trainer.test_freq", -3, "-1 (never) or a positive number"),
+        ("trainer.rollout_trace_max_episodes", 0, "a positive number of episodes or -1 (all)"),
         ("actor_rollout_ref.actor.optim.betas", [0.9, 1.0], "each beta must be in [0, 1)"),
         ("actor_rollout_ref.model.target_modules", [], "at least one module"),
         ("data.train_batch_size", "eight", "valid integer"),

@@ -116,6 +116,29 @@ def test_traces_go_out_every_trace_freq_steps_and_on_the_last_step(tmp_path):
     assert seen == [0, 3, 6, 7]
 
 
+def test_a_traced_step_hands_on_its_first_episodes_up_to_the_cap_and_saves_them_all(tmp_path):
+    episodes = [_tool_episode().model_copy(update={"id": f"train-7:{i}"}) for i in range(5)]
+    ids = [e.id for e in episodes]
+    seen = []
+
+    def log_with(cap: int) -> RolloutLog:
+        return RolloutLog(
+            tmp_path / str(cap),
+            fraction=1.0,
+            config_digest="abc",
+            on_records=lambda records, step: seen.append([r["episode_id"] for r in records]),
+            trace_freq=1,
+            trace_max_episodes=cap,
+        )
+
+    path = log_with(3).write(1, episodes)
+    assert seen == [ids[:3]]  # the first three, in the file's order (a task's answers together)
+    assert [json.loads(line)["episode_id"] for line in path.read_text().splitlines()] == ids
+    log_with(-1).write(1, episodes)
+    log_with(8).write(1, episodes)
+    assert seen[1:] == [ids, ids]
+
+
 def test_a_step_file_is_replaced_whole_and_fraction_zero_writes_nothing(tmp_path):
     seen = []
     log = RolloutLog(
