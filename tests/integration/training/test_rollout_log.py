@@ -1,6 +1,7 @@
 """A tiny CPU training saves every step's episodes: files with the documented fields, `agentrl rollouts` prints
 one, `load_rollouts` reads them, `trainer.rollout_data_fraction` samples them, and with the mlflow logger
-`mlflow.search_traces` returns the last step's episodes with a span per model call."""
+`mlflow.search_traces` returns the last step's episodes with a span per model call (the first
+`trainer.rollout_trace_max_episodes` of each split)."""
 
 from __future__ import annotations
 
@@ -163,6 +164,29 @@ def test_mlflow_search_traces_returns_the_last_steps_episodes(mlflow_run):
             chat[0].outputs["choices"][0]["message"]["content"]
             == record["trajectories"][0]["steps"][0]["response"]
         )
+
+
+def test_trace_max_episodes_traces_the_first_episodes_of_each_split(tmp_path, rows, monkeypatch):
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "run"
+    _train(run_dir, rows, "trainer.logger=[console,mlflow]", "trainer.rollout_trace_max_episodes=3")
+    saved = {
+        split: [json.loads(line)["episode_id"] for line in (run_dir / "rollouts" / name).read_text().splitlines()]
+        for split, name in (("train", "step_000002.jsonl"), ("val", "val_step_000000.jsonl"))
+    }
+    with use_tracking_uri(f"sqlite:///{run_dir}/mlflow.db"):
+        experiment = mlflow.get_experiment_by_name("agentrl")
+        traces = mlflow.search_traces(locations=[experiment.experiment_id], return_type="list")
+    traced = {}
+    for trace in traces:
+        tags = trace.info.tags
+        traced.setdefault((tags["agentrl.split"], tags["agentrl.step"]), []).append(tags["agentrl.episode_id"])
+    assert len(saved["train"]) == 8 and len(saved["val"]) == 2
+    assert sorted(traced) == [("train", "2"), ("val", "0")]  # trainer.rollout_trace_freq=25: the last step only
+    assert sorted(traced["train", "2"]) == sorted(saved["train"][:3])
+    assert sorted(traced["val", "0"]) == sorted(saved["val"])  # fewer than the cap: all of them
 
 
 def test_fraction_saves_the_sampled_episodes_in_the_configured_folder(tmp_path, rows):
