@@ -173,7 +173,9 @@ def test_trace_max_episodes_traces_the_first_episodes_of_each_split(tmp_path, ro
     run_dir = tmp_path / "run"
     _train(run_dir, rows, "trainer.logger=[console,mlflow]", "trainer.rollout_trace_max_episodes=3")
     saved = {
-        split: [json.loads(line)["episode_id"] for line in (run_dir / "rollouts" / name).read_text().splitlines()]
+        split: [
+            json.loads(line)["episode_id"] for line in (run_dir / "rollouts" / name).read_text().splitlines()
+        ]
         for split, name in (("train", "step_000002.jsonl"), ("val", "val_step_000000.jsonl"))
     }
     with use_tracking_uri(f"sqlite:///{run_dir}/mlflow.db"):
@@ -182,9 +184,14 @@ def test_trace_max_episodes_traces_the_first_episodes_of_each_split(tmp_path, ro
     traced = {}
     for trace in traces:
         tags = trace.info.tags
-        traced.setdefault((tags["agentrl.split"], tags["agentrl.step"]), []).append(tags["agentrl.episode_id"])
+        traced.setdefault((tags["agentrl.split"], tags["agentrl.step"]), []).append(
+            tags["agentrl.episode_id"]
+        )
     assert len(saved["train"]) == 8 and len(saved["val"]) == 2
-    assert sorted(traced) == [("train", "2"), ("val", "0")]  # trainer.rollout_trace_freq=25: the last step only
+    assert sorted(traced) == [
+        ("train", "2"),
+        ("val", "0"),
+    ]  # trainer.rollout_trace_freq=25: the last step only
     assert sorted(traced["train", "2"]) == sorted(saved["train"][:3])
     assert sorted(traced["val", "0"]) == sorted(saved["val"])  # fewer than the cap: all of them
 
