@@ -5,9 +5,11 @@ Starts `agentrl serve --model <model>` (embedded engine behind the gateway) and 
 environment against each, on a workload whose requests share long prefixes (vLLM's
 `prefix_repetition` dataset: `--prefixes` distinct prefixes of `--prefix-len` tokens, each request one of them plus
 `--suffix-len` fresh tokens, `--output-len` tokens out, `ignore_eos`), streaming, `--concurrency` in flight.
-Both servers stay up; each first answers `--warmup-prompts` requests (not measured: vLLM warms up as it starts,
-the embedded engine on CPU does not), then they take turns for `--rounds` client runs, so a slow spell of a
-shared host falls on both. Prints request throughput, output tokens/s, mean time to first token and mean
+Both servers stay up; each first answers the rounds' own requests once (not measured: vLLM warms up as it starts,
+the embedded engine on CPU does not; the same requests, so that the first round finds its prefixes cached as the
+later ones do: vLLM's `prefix_repetition` draws every prefix after the first from the random stream its suffixes
+use, so a warm-up of another size sends other prefixes), then they take turns for `--rounds` client runs, so a
+slow spell of a shared host falls on both. Prints request throughput, output tokens/s, mean time to first token and mean
 end-to-end latency of every run and their medians, the ratios agentrl / vLLM of the medians, and the
 requests/s ratio round by round; then each server's own view of the same requests from its `GET /metrics`
 (vLLM's request histograms, which the embedded engine keeps too): the time to first token from the request's
@@ -188,8 +190,9 @@ def main() -> None:
     p.add_argument(
         "--warmup-prompts",
         type=int,
-        default=32,
-        help="requests each server answers first, not measured (vLLM warms up as it starts; 0: none)",
+        default=None,
+        help="requests each server answers first, not measured (default: --prompts, the rounds' own requests; "
+        "0: none)",
     )
     p.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     p.add_argument("--targets", nargs="+", choices=["agentrl", "vllm"], default=["agentrl", "vllm"])
@@ -207,6 +210,8 @@ def main() -> None:
         "the same rounds: two forms of the server side by side (--agentrl-variant='one-thread=--threads 1')",
     )
     args = p.parse_args()
+    if args.warmup_prompts is None:
+        args.warmup_prompts = args.prompts
     variants = {"agentrl": args.agentrl_flags} if "agentrl" in args.targets else {}
     for variant in args.agentrl_variant:
         name, sep, flags = variant.partition("=")

@@ -364,6 +364,27 @@ def test_a_long_prompt_prefilled_in_parts_beside_graph_decoding_is_exact(model, 
         engine.close()
 
 
+def test_a_prompt_copies_its_prefix_from_a_row_decoding_under_graphs_and_stays_exact(model):
+    """A row decodes under CUDA graphs (steps launched ahead); a prompt sharing its first 200 tokens arrives and
+    copies them out of the running row's slot: only its own 40 tokens are computed, and both rows' logprobs
+    equal teacher forcing (the copy read the prompt's positions, which the decoding row never writes)."""
+    engine = _engine(model)
+    shared = [(11 * i + 5) % 5000 + 10 for i in range(200)]
+    first = shared + [(3 * i + 1) % 5000 + 10 for i in range(24)]
+    second = shared + [(5 * i + 2) % 5000 + 10 for i in range(40)]
+    decoding = SamplingParams(temperature=1.0, max_tokens=200, seed=2, ignore_eos=True)
+    try:
+        running, out = while_a_row_decodes(
+            engine, first, second, decoding, SamplingParams(temperature=1.0, max_tokens=16, seed=4)
+        )
+        stats = engine.stats()
+        assert stats["prefix_cache_hits"] == len(shared)
+        assert stats["prefill_tokens"] == len(first) + len(second) - len(shared)
+        assert worst_logprob_gap(model, [first, second], [[running], [out]]) < 1e-3
+    finally:
+        engine.close()
+
+
 def test_a_next_turn_after_an_image_through_the_compiled_extend_step_equals_teacher_forcing(caplog):
     """A vision-language model's next turn continues at its sequence's rotary offset (text after an image sits
     past its cache index): through the compiled extend step's graph its logprobs still equal a teacher-forced

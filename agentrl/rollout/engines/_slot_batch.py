@@ -54,7 +54,13 @@ from agentrl.rollout.engines._flash_extend import (
     packed_rows,
 )
 from agentrl.rollout.engines._fused_projections import FusedProjections, LayerFused
-from agentrl.rollout.engines._prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixMatch, shared_prefixes
+from agentrl.rollout.engines._prefix_cache import (
+    BLOCK_TOKENS,
+    PrefixCache,
+    PrefixMatch,
+    block_hashes,
+    shared_prefixes,
+)
 from agentrl.rollout.engines._sampling import as_int64, policy_logprob, sample_on_device
 from agentrl.rollout.engines._slot_decode import (
     KVShape,
@@ -406,6 +412,16 @@ class SlotBatch:
                 row_slots.append(slot)
                 row_logits.append(last_logits[owner])
         self._copy_prefixes(copies_after)
+        owners = [plan.same_as.get(i, i) for i in range(len(prompts)) for _ in range(copies[i])]
+        # later admissions may copy a text prompt's prefix from its rows while they run
+        if self.prefix_caching:
+            held: dict[int, list[int]] = {}
+            for slot, i in zip(row_slots, owners, strict=True):
+                if images[i] is None:
+                    if i not in held:
+                        given = hashes[i] if hashes is not None and not self.images else None
+                        held[i] = block_hashes(keys[i]) if given is None else given
+                    self.prefixes.hold(slot, keys[i], held[i])
         self._row_slots += row_slots
         self._row_positions += [len(prompts[i]) for i in range(len(prompts)) for _ in range(copies[i])]
         known = shareable or [None] * len(prompts)
@@ -416,7 +432,6 @@ class SlotBatch:
         self._shared = None
         self._set_slots(row_slots, self._active, [1] * len(row_slots))
         if self.images is not None:
-            owners = [plan.same_as.get(i, i) for i in range(len(prompts)) for _ in range(copies[i])]
             self._set_slots(row_slots, self._rope_offsets, [offsets[i] for i in owners])
             for slot, i in zip(row_slots, owners, strict=True):
                 if images[i] is not None:
@@ -780,6 +795,7 @@ class SlotBatch:
             if self.prefix_caching and tokens:
                 self.prefixes.park(slot, tokens[: self.length - 1])
             else:
+                self.prefixes.release(slot)
                 heapq.heappush(self._free, slot)
         if dropped:  # an idle slot decodes at the sink position, which no sequence reaches
             idle = [slot for _, slot in dropped]
@@ -923,7 +939,7 @@ class SlotBatch:
         ):  # fmt: skip
             state.index_copy_(0, order, state.index_select(0, source))
         self._row_slots = [down.get(slot, slot) for slot in self._row_slots]
-        self.prefixes.relabel(up)
+        self.prefixes.relabel({**up, **down})
         self._free = [up.get(slot, slot) for slot in self._free]
         heapq.heapify(self._free)
         self._image_keys = {down.get(slot, slot): key for slot, key in self._image_keys.items()}

@@ -131,6 +131,36 @@ def test_prompts_arriving_together_compute_their_shared_prefix_once_and_stay_exa
         engine.close()
 
 
+def test_a_prompt_copies_its_prefix_from_a_row_still_running_and_stays_exact(model, tokenizer):
+    """Nothing parked, one row decoding a long answer; a second question behind the same system prompt, admitted
+    while that row runs, copies the shared prefix out of the running row's slot and computes only its own tail
+    (a served burst over a new prefix arrives over several admissions). Both answers equal teacher forcing."""
+    engine = _engine(model, tokenizer)
+    prompts = [_prompt(tokenizer, f"Question {i}: what is {i} + {i}?") for i in range(2)]
+    shared = next(n for n in range(len(prompts[0])) if prompts[0][n] != prompts[1][n])
+    assert shared >= 32
+
+    async def run():
+        long = SamplingParams(temperature=1.0, max_tokens=150, ignore_eos=True, seed=1)
+        first = asyncio.ensure_future(engine.generate(prompts[0], long))
+        while engine.stats()["running"] == 0:
+            await asyncio.sleep(0.001)
+        before = engine.stats()
+        second = (await engine.generate(prompts[1], SamplingParams(temperature=1.0, max_tokens=8, seed=2)))[0]
+        after = engine.stats()
+        ran_throughout = not first.done()
+        return (await first)[0], second, before, after, ran_throughout
+
+    try:
+        first, second, before, after, ran_throughout = asyncio.run(run())
+        assert before["parked_sequences"] == 0 and ran_throughout
+        assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == shared
+        assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompts[1]) - shared
+        assert max(_gap(model, p, o) for p, o in zip(prompts, (first, second), strict=True)) < 1e-4
+    finally:
+        engine.close()
+
+
 def test_an_evicted_prefix_is_recomputed_not_read(model, tokenizer):
     engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=2, max_model_len=256)
     try:

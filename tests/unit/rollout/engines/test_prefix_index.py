@@ -1,4 +1,4 @@
-"""The prefix index: longest exact match, take-over vs copy, least-recently-used eviction."""
+"""The prefix index: longest exact match, take-over vs copy, least-recently-used eviction, running rows' prompts."""
 
 from agentrl.rollout.engines._prefix_cache import BLOCK_TOKENS, PrefixCache, shared_prefixes
 
@@ -64,3 +64,29 @@ def test_prompts_of_one_admission_follow_the_first_that_shares_their_prefix():
     assert shared_prefixes(prompts, {}, min_gain=32) == {1: (0, 50), 4: (0, 51)}
     # a prompt that already starts past the shared part (a parked prefix of its own) follows nobody
     assert 1 not in shared_prefixes(prompts, {1: 40}, min_gain=16)
+
+
+def test_a_running_rows_prompt_is_copied_from_but_never_taken_over_or_evicted():
+    cache = PrefixCache()
+    prompt = list(range(40))
+    cache.hold(6, prompt)
+    match = cache.longest(prompt + [7, 8])
+    assert (match.slot, match.length, match.whole) == (6, 40, False)  # all it holds, yet only a copy
+    assert len(cache) == 0 and cache.held(6) == 0 and cache.evict(protected=set()) is None
+    cache.park(2, prompt[:20])
+    assert cache.longest(prompt[:20] + [5]).slot == 2  # a parked holder is preferred: it may be taken over
+    cache.park(6, prompt + [7])  # the row ended: its slot parks with what it generated
+    assert cache.longest(prompt + [7, 9]).whole and cache.evict(protected={2}) == 6
+
+
+def test_a_running_prompt_moves_with_its_row_and_goes_with_new_weights():
+    cache = PrefixCache()
+    cache.hold(9, list(range(32)))
+    cache.park(1, [5] * 32)
+    cache.relabel({9: 1, 1: 9})  # the row packed low, the parked slot moved up
+    assert cache.longest(list(range(32)) + [1]).slot == 1 and cache.longest([5] * 33).slot == 9
+    assert cache.new_weights(keep=1) == []  # indexed since the last change: both kept
+    assert cache.new_weights() == [9]  # only the parked slot is freed; the row keeps its slot
+    assert cache.longest(list(range(32)) + [1]) is None
+    cache.hold(3, list(range(32)))
+    assert cache.release(3) is False and cache.longest(list(range(32)) + [1]) is None  # ended without parking
