@@ -75,8 +75,9 @@ class PrefixCache:
 
     def hold(self, slot: int, prompt: list[int], hashes: list[int] | None = None) -> None:
         """`slot` now runs a row whose prompt is `prompt` (its keys and values computed or copied there):
-        later prompts may copy that prefix from it until the row ends (`park` or `release`). `hashes`: the
-        prompt's `block_hashes`, when the caller has them."""
+        later prompts may copy that prefix from it until the row ends (`park` or `release`). `prompt` is kept,
+        not copied (the engine's request keeps its prompt as it came). `hashes`: the prompt's `block_hashes`,
+        when the caller has them."""
         self.release(slot)
         self._running[slot] = prompt
         self._index(slot, block_hashes(prompt) if hashes is None else hashes)
@@ -143,7 +144,11 @@ class PrefixCache:
         keeps its own (asynchronous training's partial rollouts)."""
         self._weights += 1
         stale = [slot for slot, at in self._indexed_at.items() if at < self._weights - keep]
-        return [slot for slot in stale if self.release(slot)]
+        forgotten = []
+        for slot in stale:
+            if self.release(slot):  # parked: the slot is free again (a running row keeps its own)
+                forgotten.append(slot)
+        return forgotten
 
     def _chosen(self, slots: set[int]) -> int:
         """Of the slots holding a prefix, the most recently used parked one (one pass over the parked order,
