@@ -163,9 +163,9 @@ class PrefixCache:
     def longest(
         self, prompt: list[int], touch: bool = True, hashes: list[int] | None = None
     ) -> PrefixMatch | None:
-        """The parked slot or running row sharing the longest prefix with `prompt`, leaving at least one prompt token to
-        compute (its logits start the answer); None below one block. `touch=False` only looks: the slot keeps
-        its place in the eviction order. `hashes`: the prompt's `block_hashes`, when the caller has them."""
+        """The parked slot or running row sharing the longest prefix with `prompt`, leaving at least one prompt
+        token to compute (its logits start the answer); None below one block. `touch=False` only looks: the slot
+        keeps its place in the eviction order. `hashes`: the prompt's `block_hashes`, when the caller has them."""
         hashes = block_hashes(prompt) if hashes is None else hashes
         for blocks in range(len(hashes), 0, -1):
             holders = self._slots_by_hash.get(hashes[blocks - 1])
