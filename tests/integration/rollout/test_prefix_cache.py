@@ -3,6 +3,7 @@ and what comes out is exactly what a teacher-forced forward of the whole sequenc
 
 import asyncio
 import copy
+import random
 import time
 
 import pytest
@@ -157,6 +158,122 @@ def test_a_prompt_copies_its_prefix_from_a_row_still_running_and_stays_exact(mod
         assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == shared
         assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompts[1]) - shared
         assert max(_gap(model, p, o) for p, o in zip(prompts, (first, second), strict=True)) < 1e-4
+    finally:
+        engine.close()
+
+
+def test_a_row_running_across_a_weight_change_offers_its_prefix_no_more(model, tokenizer, make_diverse_model):
+    """New weights pushed while a row decodes (between two decode steps, as training pushes them): the row goes
+    on over its old keys and values, but a prompt behind the same system prompt admitted after the push computes
+    the whole prompt with the new weights instead of copying the running row's prefix."""
+    engine = _engine(model, tokenizer)
+    other = make_diverse_model(seed=5)
+    prompts = [_prompt(tokenizer, f"Question {i}: what is {i} + {i}?") for i in range(2)]
+
+    async def run():
+        long = SamplingParams(temperature=1.0, max_tokens=150, ignore_eos=True, seed=1)
+        first = asyncio.ensure_future(engine.generate(prompts[0], long))
+        while engine.stats()["running"] == 0:
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(engine.update_weights, other.state_dict())
+        before = engine.stats()
+        second = (await engine.generate(prompts[1], SamplingParams(temperature=1.0, max_tokens=8, seed=2)))[0]
+        after = engine.stats()
+        ran_throughout = not first.done()
+        await first
+        return second, before, after, ran_throughout
+
+    try:
+        second, before, after, ran_throughout = asyncio.run(run())
+        assert ran_throughout
+        assert after["prefix_cache_hits"] == before["prefix_cache_hits"]
+        assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompts[1])
+        assert _gap(other, prompts[1], second) < 1e-4
+    finally:
+        engine.close()
+
+
+def test_a_parked_history_moved_up_by_compaction_keeps_every_position(model, tokenizer):
+    """A history of ~140 tokens parked in slot 0; twelve short rows, then a short-prompt row in slot 13 that
+    outlives them: the batch moves that row down into slot 0 and the parked history up into slot 13, all of it
+    (past the moved row's own position). The history's next turn takes slot 13 over, reads every position, and
+    equals teacher forcing."""
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=16, max_model_len=256)
+    history = _prompt(tokenizer, "Tell me a long story about numbers. " * 8)
+    short = tokenizer.apply_chat_template([{"role": "user", "content": "Hi."}], add_generation_prompt=True)
+    short = short["input_ids"]  # under one block: matches nothing
+    try:
+        first = _generate(engine, history)
+        held = len(history) + len(first.token_ids) - 1
+        assert held > 3 * len(short)
+
+        async def crowded():
+            generated = engine.stats()["tokens_generated"]
+            rows = SamplingParams(temperature=1.0, max_tokens=3, n=12, ignore_eos=True, seed=3)
+            batch = asyncio.ensure_future(engine.generate(short, rows))
+            while engine.stats()["tokens_generated"] < generated + 12:  # slots 1..12 hold the short rows
+                await asyncio.sleep(0.001)
+            long = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True, seed=4)
+            return await asyncio.gather(batch, engine.generate(short, long))  # the next free slot: 13
+
+        compacted = engine.stats()["rows_compacted"]
+        asyncio.run(crowded())
+        _wait_for(lambda: engine.stats()["running"] == 0)
+        assert engine.stats()["rows_compacted"] > compacted
+        before = engine.stats()["prefix_cache_hits"]
+        second_prompt = _next_turn(tokenizer, history, first, "And then?")
+        second = _generate(engine, second_prompt)
+        assert engine.stats()["prefix_cache_hits"] - before == held
+        assert _gap(model, second_prompt, second) < 1e-4
+    finally:
+        engine.close()
+
+
+def test_agents_churning_through_a_small_engine_get_exact_answers_whatever_the_cache_did(
+    model, tokenizer, make_diverse_model
+):
+    """Twenty agents over three system prompts, through an engine of twelve slots, their turns arriving at random
+    moments: next turns take their parked histories over, copy prefixes from parked slots and from rows still
+    running, evict each other's histories, and move with their rows when the batch packs them low. Two turns,
+    new weights, two more. Every answer equals a teacher-forced forward of its whole sequence under the weights
+    it was generated with (a prefix read from the wrong slot, a stale or overwritten one, would not)."""
+    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=12, max_model_len=512)
+    other = make_diverse_model(seed=5)
+    systems = [f"Assistant {k}: " + ("answer briefly and in numbers. " * (2 + k)) for k in range(3)]
+
+    def opening(agent):
+        messages = [
+            {"role": "system", "content": systems[agent % 3]},
+            {"role": "user", "content": f"Agent {agent}: what is {agent} times {agent + 1}?"},
+        ]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+
+    async def turns(agent, prompt, first_turn, count):
+        rng = random.Random(agent * 100 + first_turn)
+        done = []
+        for turn in range(first_turn, first_turn + count):
+            await asyncio.sleep(rng.random() * 0.03)
+            params = SamplingParams(temperature=1.0, max_tokens=rng.randint(2, 24), seed=agent * 10 + turn)
+            out = (await engine.generate(prompt, params))[0]
+            done.append((prompt, out))
+            prompt = _next_turn(tokenizer, prompt, out, f"Turn {turn + 1} for agent {agent}: and then?")
+        return done, prompt
+
+    async def phase(prompts, first_turn):
+        results = await asyncio.gather(*(turns(a, p, first_turn, 2) for a, p in enumerate(prompts)))
+        return [r[0] for r in results], [r[1] for r in results]
+
+    try:
+        before, next_prompts = asyncio.run(phase([opening(a) for a in range(20)], 0))
+        _wait_for(lambda: engine.stats()["running"] == 0)
+        engine.update_weights(other.state_dict())
+        after, _ = asyncio.run(phase(next_prompts, 2))
+        stats = engine.stats()
+        assert stats["prefix_cache_hits"] > stats["prefix_cache_queries"] / 4
+        assert stats["rows_compacted"] > 0
+        gaps = [_gap(model, p, o) for agent in before for p, o in agent]
+        gaps += [_gap(other, p, o) for agent in after for p, o in agent]
+        assert len(gaps) == 80 and max(gaps) < 1e-4
     finally:
         engine.close()
 
