@@ -2,16 +2,15 @@
 
 Dashboards and alerts built for vLLM servers read `GET /metrics` of an embedded server unchanged where the
 meaning is shared: tokens in and out, prefix-cache queries and hits (in tokens, as vLLM counts them), running
-and waiting requests, how full the KV cache is, and finished requests' time to first token, wait, prefill, decode
-and whole latency as histograms (`engines/_latency.py`). Everything else the engine reports stays in the JSON of
-`GET /stats`.
+and waiting requests, how full the KV cache is, and finished requests' latencies, token counts and finish
+reasons (`engines/_request_metrics.py`). Everything else the engine reports stays in the JSON of `GET /stats`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from agentrl.rollout.engines._latency import LATENCY_METRICS
+from agentrl.rollout.engines._request_metrics import FINISH_REASONS, HISTOGRAMS
 
 # (vLLM's name, Prometheus type, help, the `EmbeddedEngine.stats()` key it reads)
 VLLM_METRICS = (
@@ -49,12 +48,18 @@ def render_prometheus(stats: dict[str, Any], model_name: str) -> str:
             f"# TYPE {name} {kind}",
             f"{name}{{{model}}} {float(stats.get(key, 0))}",
         ]
-    latencies = stats.get("request_latency_seconds", {})
-    for phase, (name, help_text, bounds) in LATENCY_METRICS.items():
-        histogram = latencies.get(phase, {"buckets": [0] * (len(bounds) + 1), "sum": 0.0, "count": 0})
+    requests = stats.get("request_metrics", {})
+    finished = requests.get("finished", {})
+    name = "vllm:request_success_total"
+    lines += [f"# HELP {name} Count of successfully processed requests.", f"# TYPE {name} counter"]
+    for reason in FINISH_REASONS:
+        lines.append(f'{name}{{finished_reason="{reason}",{model}}} {float(finished.get(reason, 0))}')
+    for key, histogram in requests.get("histograms", {}).items():
+        name, help_text, _ = HISTOGRAMS[key]
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        for bound, count in zip([*map(repr, bounds), "+Inf"], histogram["buckets"], strict=True):
-            lines.append(f'{name}_bucket{{le="{bound}",{model}}} {float(count)}')
+        uppers = [*(repr(float(bound)) for bound in histogram["bounds"]), "+Inf"]
+        for upper, count in zip(uppers, histogram["buckets"], strict=True):
+            lines.append(f'{name}_bucket{{le="{upper}",{model}}} {float(count)}')
         lines += [
             f"{name}_sum{{{model}}} {float(histogram['sum'])}",
             f"{name}_count{{{model}}} {float(histogram['count'])}",

@@ -64,7 +64,7 @@ class Request:
     first_token_at: float | None = None
     """When its first token was recorded."""
     finished_sequences: int = 0
-    """Its completions that have finished: at `params.n` its latencies are counted (`_latency.py`)."""
+    """Its completions that have finished: at `params.n` its latencies are counted (`_request_metrics.py`)."""
 
 
 @dataclass
@@ -78,6 +78,8 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    last_token_at: float | None = None
+    """When its latest token was recorded (`time.monotonic()`): the next one's inter-token latency starts there."""
     stop_text_end: int | None = None
     decoded_len: int = 0
     sent: int = 0

@@ -42,10 +42,10 @@ import torch
 
 from agentrl.data.images import load_image_processor
 from agentrl.rollout.engines._batch import DynamicBatch
-from agentrl.rollout.engines._latency import RequestLatencies
 from agentrl.rollout.engines._openmp import release_openmp_workers
 from agentrl.rollout.engines._parked_weights import ParkedWeights
 from agentrl.rollout.engines._prefix_cache import BLOCK_TOKENS, block_hashes
+from agentrl.rollout.engines._request_metrics import RequestMetrics
 from agentrl.rollout.engines._requests import Detokenizer, Request, Sequence, StreamEvent, build_sequences
 from agentrl.rollout.engines._sampling import RowSampling, filters_needed, select_tokens
 from agentrl.rollout.engines._slot_batch import PREFILL_PATHS, DeviceDraw, SlotBatch, SlotSampling
@@ -197,8 +197,9 @@ class EmbeddedEngine:
         """Cumulative scheduler time: prefill and decode forwards with sampling (until the ids reach the host),
         and the per-row Python work around them (settings, stop checks, events)."""
         self._recent: deque[tuple[float, int]] = deque()
-        self._latencies = RequestLatencies()
-        """Finished requests' time to first token and phases, for `GET /metrics` (`_latency.py`)."""
+        self._metrics = RequestMetrics(self.max_model_len)
+        """Finished requests' latencies, token counts and finish reasons, for `GET /metrics`
+        (`_request_metrics.py`)."""
         self._grammars: GrammarCompiler | None = None
         self._in_flight: list[tuple[list[Sequence], DeviceDraw, str]] = []
         """Draws launched on the device and not read yet, oldest first, with the phase (`_busy_s` key) that
@@ -435,6 +436,7 @@ class EmbeddedEngine:
                 request, seqs = self._waiting[0]
                 if request.cancelled or request.loop.is_closed():  # nobody can receive its tokens
                     self._waiting.popleft()
+                    self._count_finished("abort", seqs)
                     continue
                 if len(seqs) > free:
                     break
@@ -461,12 +463,13 @@ class EmbeddedEngine:
                 self._prefill_part(part_of)
         except Exception as error:  # admitted requests not yet running: _fail_running would not reach them
             running = {id(seq.request) for seq in self._rows}
-            failed = [request for request, _ in admitted if id(request) not in running]
+            failed = [(request, seqs) for request, seqs in admitted if id(request) not in running]
             if part_of is not None:
                 with self._cond:
+                    failed += [item for item in self._waiting if item[0] is part_of]
                     self._waiting = deque(item for item in self._waiting if item[0] is not part_of)
-                failed.append(part_of)
-            self._deliver_all([(request, error) for request in failed])
+            self._count_finished("error", [seq for _, seqs in failed for seq in seqs])
+            self._deliver_all([(request, error) for request, _ in failed])
             raise
         return hold
 
@@ -636,10 +639,14 @@ class EmbeddedEngine:
         """Append each row's drawn token, check stops, and deliver events."""
         events: dict[int, tuple[Request, list[StreamEvent]]] = {}
         now = time.monotonic()
+        gaps: dict[float, int] = {}  # a previous token's time -> rows whose previous token came then
         for i, seq in enumerate(rows):
             request = seq.request
             if request.first_token_at is None:
                 request.first_token_at = now
+            if seq.last_token_at is not None:
+                gaps[seq.last_token_at] = gaps.get(seq.last_token_at, 0) + 1
+            seq.last_token_at = now
             seq.token_ids.append(token_ids[i])
             seq.logprobs.append(logprobs[i])
             if top_logprobs is not None and top_logprobs[i] is not None:
@@ -648,13 +655,16 @@ class EmbeddedEngine:
             self._detok.check_finished(seq, at_limit)
             if seq.finish_reason:
                 request.finished_sequences += 1
+                self._count_finished(seq.finish_reason, [seq], now)
                 if request.finished_sequences == request.params.n:
-                    self._latencies.finished(
+                    self._metrics.finished_request(
                         request.arrived, request.admitted_at or now, request.first_token_at, now
                     )
             if seq.finish_reason or seq.request.stream:
                 events.setdefault(id(seq.request), (seq.request, []))[1].append(self._detok.take_event(seq))
         self._deliver_all(list(events.values()))
+        if gaps:
+            self._metrics.tokens_apart({now - then: count for then, count in gaps.items()})
         self._tokens_generated += len(rows)
         self._recent.append((now, len(rows)))
         while self._recent and self._recent[0][0] < now - 10.0:
@@ -726,6 +736,8 @@ class EmbeddedEngine:
         keep = [i for i, s in enumerate(self._rows) if s.finish_reason is None and not s.request.cancelled]
         self._sequences_finished += sum(s.finish_reason is not None for s in self._rows)
         if len(keep) != len(self._rows):
+            left = [s for s in self._rows if s.finish_reason is None and s.request.cancelled]
+            self._count_finished("abort", left)
             # A finished row's slot holds its prompt and every sampled token but the last (never fed).
             finished = {
                 i: s.request.prompt_ids + s.token_ids[:-1]
@@ -749,7 +761,18 @@ class EmbeddedEngine:
                 for request, _ in items:
                     request.cancelled = True
 
+    def _count_finished(self, reason: str, rows: list[Sequence], now: float | None = None) -> None:
+        """Count completions that ended, at `now` (default: now), for `reason`: their own finish reason, "abort"
+        (their client left) or "error" (a step failed under them)."""
+        now = time.monotonic() if now is None else now
+        for seq in rows:
+            request = seq.request
+            self._metrics.finished_completion(
+                reason, len(request.prompt_ids), len(seq.token_ids), request.first_token_at, now
+            )
+
     def _fail_running(self, error: BaseException) -> None:
+        self._count_finished("error", [s for s in self._rows if s.finish_reason is None])
         failed = {id(s.request): s.request for s in self._rows}
         with self._cond:
             if self._closed:
@@ -923,7 +946,7 @@ class EmbeddedEngine:
             "compile_decode": isinstance(self._batch, SlotBatch) and self._batch.compiled,
             "enable_chunked_prefill": self.chunked_prefill,
             "max_num_batched_tokens": self.prefill_chunk_tokens,
-            "request_latency_seconds": self._latencies.snapshot(),
+            "request_metrics": self._metrics.snapshot(),
         }
 
     def _cache_stats(self) -> dict[str, Any]:

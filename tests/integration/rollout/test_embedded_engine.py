@@ -496,9 +496,10 @@ def test_a_long_answer_outliving_its_batch_moves_to_a_low_slot_and_draws_the_sam
 
 
 def test_a_failed_step_costs_its_requests_not_the_engine(engine, prompts, monkeypatch):
-    """A step that fails fails the running requests and the ones it was admitting (none waits forever), and the
-    engine serves the next request."""
+    """A step that fails fails the running requests and the ones it was admitting (none waits forever), each
+    counted as an error in the metrics, and the engine serves the next request."""
     real_step, failures = engine._step_on_device, []
+    errors = engine.stats()["request_metrics"]["finished"]["error"]
 
     def failing_step(admitted):
         if admitted and engine._rows and not failures:
@@ -520,6 +521,7 @@ def test_a_failed_step_costs_its_requests_not_the_engine(engine, prompts, monkey
     results = asyncio.run(run())
     assert failures == [1]
     assert all(isinstance(r, RuntimeError) and "injected" in str(r) for r in results), results
+    assert engine.stats()["request_metrics"]["finished"]["error"] == errors + 2
     assert (
         len(asyncio.run(engine.generate(prompts[2], SamplingParams(max_tokens=4, seed=3)))[0].token_ids) == 4
     )

@@ -179,6 +179,40 @@ def test_metrics_count_each_finished_requests_latencies_in_vllms_histograms(serv
     assert abs(queue + prefill - ttft) < 1e-6 and abs(ttft + decode - e2e) < 1e-6
 
 
+def test_metrics_count_completions_by_how_they_ended_and_their_tokens(server):
+    """Two completions cut at their length and a chat answer: each completion counted under its finish reason in
+    `vllm:request_success_total` with its prompt and generated tokens, and every token after a completion's first
+    once in `vllm:inter_token_latency_seconds`."""
+    client = _client(server)
+    before = prometheus_samples(httpx.get(server.url + "/metrics").text)
+    cut = client.completions.create(
+        model="tiny", prompt="Count", max_tokens=6, n=2, extra_body={"ignore_eos": True}
+    )
+    chat = client.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=1.0, seed=3)
+    after = prometheus_samples(httpx.get(server.url + "/metrics").text)
+    label = 'model_name="tiny"'
+
+    def added(key: str) -> float:
+        return after[key] - before[key]
+
+    reasons = [c.finish_reason for c in cut.choices] + [c.finish_reason for c in chat.choices]
+    assert reasons[:2] == ["length", "length"]
+    for reason in ("stop", "length", "abort", "error"):
+        key = f'vllm:request_success_total{{finished_reason="{reason}",{label}}}'
+        assert added(key) == reasons.count(reason), reason
+    completions, generated = 3, cut.usage.completion_tokens + chat.usage.completion_tokens
+    assert cut.usage.completion_tokens == 12
+    assert added(f"vllm:request_prompt_tokens_count{{{label}}}") == completions
+    assert (
+        added(f"vllm:request_prompt_tokens_sum{{{label}}}")
+        == 2 * cut.usage.prompt_tokens + chat.usage.prompt_tokens
+    )
+    assert added(f"vllm:request_generation_tokens_sum{{{label}}}") == generated
+    assert added(f"vllm:inter_token_latency_seconds_count{{{label}}}") == generated - completions
+    assert added(f"vllm:inter_token_latency_seconds_sum{{{label}}}") > 0
+    assert added(f"vllm:request_time_per_output_token_seconds_count{{{label}}}") == completions
+
+
 def test_a_client_that_leaves_a_stream_frees_its_engine_row(model, tokenizer):
     """A streamed answer whose client goes away after its first chunk stops generating: its row leaves the engine
     long before the 1,900 tokens it asked for (one lost client costs one row, not the engine's time)."""
@@ -195,6 +229,9 @@ def test_a_client_that_leaves_a_stream_frees_its_engine_row(model, tokenizer):
         stats = engine.stats()
         assert stats["running"] == 0 and stats["waiting"] == 0
         assert stats["tokens_generated"] < 1000
+        samples = prometheus_samples(httpx.get(handle.url + "/metrics").text)
+        assert samples['vllm:request_success_total{finished_reason="abort",model_name="tiny"}'] == 1.0
+        assert samples['vllm:request_generation_tokens_sum{model_name="tiny"}'] == stats["tokens_generated"]
     finally:
         handle.stop()
         engine.close()
