@@ -11,14 +11,17 @@ import os
 import signal
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
 
 from agentrl.models import resolve_model_path
+from agentrl.rollout.engines._request_metrics import RequestMetrics
 from agentrl.rollout.engines.vllm import group_alive, launch_vllm_servers, save_weights_for_vllm
 from agentrl.rollout.gateway import Gateway
 from agentrl.rollout.pool import RolloutPool
+from agentrl.rollout.prometheus import render_prometheus
 from agentrl.types import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -87,6 +90,41 @@ def test_concurrent_sessions_are_traced_with_token_ids_and_logprobs(stack) -> No
         assert traces[1].prompt_ids[: len(traces[0].prompt_ids)] == traces[0].prompt_ids
         used |= {t.server for t in traces}
     assert used == {s.url for s in servers}
+
+
+def _families(text: str) -> dict[str, tuple[str, set[str]]]:
+    """Prometheus text -> {sample name: (its family's type, its label names)}."""
+    types, samples = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, family, kind = line.split(" ")
+            types[family] = kind
+        elif line and not line.startswith("#"):
+            name, _, labels = line.split(" ")[0].partition("{")
+            keys = {pair.split("=")[0] for pair in labels.rstrip("}").split(",") if "=" in pair}
+            samples[name] = keys
+    out = {}
+    for name, keys in samples.items():
+        family = next(f for f in (name, *(name.removesuffix(s) for s in SUFFIXES)) if f in types)
+        out[name] = (types[family], keys)
+    return out
+
+
+SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")
+
+
+def test_every_metric_the_embedded_server_exposes_is_vllms_by_name_type_and_labels(stack) -> None:
+    """What an embedded server's `GET /metrics` answers (every vLLM-named sample it renders) against a real vLLM
+    server's, after the requests above: each sample name is vLLM's, of the same metric type, with label names
+    vLLM's sample has too (vLLM adds its `engine`), so a dashboard's queries for vLLM read both."""
+    _, servers, _ = stack
+    ours = _families(render_prometheus({"request_metrics": RequestMetrics(256).snapshot()}, MODEL))
+    theirs = _families(httpx.get(servers[0].url + "/metrics", timeout=30).text)
+    assert len(ours) > 30
+    for name, (kind, labels) in ours.items():
+        assert name in theirs, f"{name} is not on vLLM's /metrics"
+        assert theirs[name][0] == kind, (name, kind, theirs[name][0])
+        assert labels - {"le"} <= theirs[name][1], (name, labels, theirs[name][1])
 
 
 def test_tools_request_is_accepted(stack) -> None:
