@@ -9,11 +9,12 @@ Both servers stay up; each first answers the rounds' own requests once (not meas
 the embedded engine on CPU does not; the same requests, so that the first round finds its prefixes cached as the
 later ones do: vLLM's `prefix_repetition` draws every prefix after the first from the random stream its suffixes
 use, so a warm-up of another size sends other prefixes), then they take turns for `--rounds` client runs, so a
-slow spell of a shared host falls on both. Prints request throughput, output tokens/s, mean time to first token and mean
-end-to-end latency of every run and their medians, the ratios agentrl / vLLM of the medians, and the
+slow spell of a shared host falls on both. Prints request throughput, output tokens/s, mean time to first token, mean
+end-to-end latency and mean inter-token latency of every run and their medians, the ratios agentrl / vLLM of the medians, and the
 requests/s ratio round by round; then each server's own view of the same requests from its `GET /metrics`
 (vLLM's request histograms, which the embedded engine keeps too): the time to first token from the request's
-arrival at the engine, its wait and prefill, and what the client's time to first token adds on top (the HTTP
+arrival at the engine, its wait and prefill, the whole latency, the time between a completion's tokens, and
+what the client's time to first token adds on top (the HTTP
 exchange, the server's request handling, the client's own work). `--agentrl-variant NAME=FLAGS` adds another
 `agentrl serve` with other flags to the same rounds, so two forms of the server meet the same client and host.
 
@@ -56,12 +57,14 @@ METRICS = (
     ("output tokens/s", "output_throughput", ".0f"),
     ("mean TTFT ms", "mean_ttft_ms", ".1f"),
     ("mean latency ms", "mean_e2el_ms", ".1f"),
+    ("mean ITL ms", "mean_itl_ms", ".1f"),
 )
 SERVER_PHASES = (
     ("server TTFT ms", "time_to_first_token", "vllm:time_to_first_token_seconds"),
     ("its wait ms", "queue", "vllm:request_queue_time_seconds"),
     ("its prefill ms", "prefill", "vllm:request_prefill_time_seconds"),
     ("server latency ms", "e2e", "vllm:e2e_request_latency_seconds"),
+    ("server ITL ms", "inter_token", "vllm:inter_token_latency_seconds"),
 )
 """(column, phase, vLLM's histogram): each server's own timing of its requests, from `GET /metrics`."""
 

@@ -6,9 +6,10 @@ lengths, finish reasons) shows the embedded engine as it shows vLLM:
   counted once, when the last finishes);
 - the time between a completion's consecutive tokens (`vllm:inter_token_latency_seconds`, one sample a token
   after the first) and each completion's mean of it (`vllm:request_time_per_output_token_seconds`);
-- each completion's prompt and generated tokens, and how it ended (`vllm:request_success_total` by
-  `finished_reason`: stop, length, abort when its client left, error when a step failed), a completion counted
-  as vLLM counts it (vLLM runs a request of `n` as `n` requests).
+- each completion's prompt and generated tokens, its `max_tokens`, and how it ended (`vllm:request_success_total`
+  by `finished_reason`: stop, length, abort when its client left, error when a step failed), a completion
+  counted as vLLM counts it (vLLM runs a request of `n` as `n` requests); and per request its `n` and the most
+  tokens one of its completions generated (`vllm:request_max_num_generation_tokens`).
 
 Times are measured inside the engine, from the request's arrival at the engine (after the server has read and
 tokenized it) to the event that hands its tokens back. vLLM starts its clock earlier, when its API server
@@ -36,6 +37,8 @@ INTER_TOKEN_LATENCY_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 """vLLM's bucket upper bounds (seconds) between two tokens."""
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+"""vLLM's bucket upper bounds for a request's `n`."""
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """The `finished_reason` labels of `vllm:request_success_total` the engine can give."""
 
@@ -78,6 +81,13 @@ HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...] | None]] = {
     ),
     "prompt_tokens": ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", None),
     "generation_tokens": ("vllm:request_generation_tokens", "Number of generation tokens processed.", None),
+    "max_tokens": ("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", None),
+    "most_generated": (
+        "vllm:request_max_num_generation_tokens",
+        "Histogram of maximum number of requested generation tokens.",
+        None,
+    ),
+    "n": ("vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS),
 }
 PHASES = ("time_to_first_token", "queue", "prefill", "decode", "e2e")
 """The histograms of a request's phases (`RequestMetrics.finished_request`)."""
@@ -124,9 +134,17 @@ class RequestMetrics:
         self._histograms = {key: _Histogram(bounds or tokens) for key, (_, _, bounds) in HISTOGRAMS.items()}
         self._finished = dict.fromkeys(FINISH_REASONS, 0)
 
-    def finished_request(self, arrived: float, admitted: float, first_token: float, done: float) -> None:
-        """Count one request that arrived, was admitted (its prefill began), drew its first token and finished at
-        these `time.monotonic()` instants."""
+    def finished_request(
+        self,
+        arrived: float,
+        admitted: float,
+        first_token: float,
+        done: float,
+        n: int = 1,
+        most_generated: int = 0,
+    ) -> None:
+        """Count one request of `n` completions that arrived, was admitted (its prefill began), drew its first
+        token and finished at these `time.monotonic()` instants, its longest completion `most_generated` tokens."""
         phases = (
             first_token - arrived,
             admitted - arrived,
@@ -137,17 +155,27 @@ class RequestMetrics:
         with self._lock:
             for key, seconds in zip(PHASES, phases, strict=True):
                 self._histograms[key].observe(seconds)
+            self._histograms["n"].observe(n)
+            self._histograms["most_generated"].observe(most_generated)
 
     def finished_completion(
-        self, reason: str, prompt_tokens: int, generated: int, first_token: float | None, done: float
+        self,
+        reason: str,
+        prompt_tokens: int,
+        generated: int,
+        first_token: float | None,
+        done: float,
+        max_tokens: int | None = None,
     ) -> None:
-        """Count one completion that ended for `reason` (`FINISH_REASONS`) after `generated` tokens, the first at
-        `first_token` (None: it drew none), the last at `done`."""
+        """Count one completion that ended for `reason` (`FINISH_REASONS`) after `generated` tokens of at most
+        `max_tokens`, the first at `first_token` (None: it drew none), the last at `done`."""
         decode = done - first_token if first_token is not None else 0.0
         with self._lock:
             self._finished[reason] = self._finished.get(reason, 0) + 1
             self._histograms["prompt_tokens"].observe(prompt_tokens)
             self._histograms["generation_tokens"].observe(generated)
+            if max_tokens:
+                self._histograms["max_tokens"].observe(max_tokens)
             # vLLM's mean: decode time over the tokens after the first (0 for a completion of one token)
             self._histograms["time_per_output_token"].observe(
                 decode / (generated - 1) if generated > 1 else 0.0

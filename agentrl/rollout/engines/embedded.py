@@ -656,10 +656,12 @@ class EmbeddedEngine:
             if seq.finish_reason:
                 request.finished_sequences += 1
                 self._count_finished(seq.finish_reason, [seq], now)
+                request.most_generated = max(request.most_generated, len(seq.token_ids))
                 if request.finished_sequences == request.params.n:
                     self._metrics.finished_request(
-                        request.arrived, request.admitted_at or now, request.first_token_at, now
-                    )
+                        request.arrived, request.admitted_at or now, request.first_token_at, now,
+                        request.params.n, request.most_generated,
+                    )  # fmt: skip
             if seq.finish_reason or seq.request.stream:
                 events.setdefault(id(seq.request), (seq.request, []))[1].append(self._detok.take_event(seq))
         self._deliver_all(list(events.values()))
@@ -768,8 +770,9 @@ class EmbeddedEngine:
         for seq in rows:
             request = seq.request
             self._metrics.finished_completion(
-                reason, len(request.prompt_ids), len(seq.token_ids), request.first_token_at, now
-            )
+                reason, len(request.prompt_ids), len(seq.token_ids), request.first_token_at, now,
+                request.params.max_tokens,
+            )  # fmt: skip
 
     def _fail_running(self, error: BaseException) -> None:
         self._count_finished("error", [s for s in self._rows if s.finish_reason is None])

@@ -211,6 +211,9 @@ def test_metrics_count_completions_by_how_they_ended_and_their_tokens(server):
     assert added(f"vllm:inter_token_latency_seconds_count{{{label}}}") == generated - completions
     assert added(f"vllm:inter_token_latency_seconds_sum{{{label}}}") > 0
     assert added(f"vllm:request_time_per_output_token_seconds_count{{{label}}}") == completions
+    assert added(f"vllm:request_params_max_tokens_sum{{{label}}}") == 6 + 6 + 8
+    assert added(f"vllm:request_params_n_sum{{{label}}}") == 2 + 1  # per request, as its longest completion
+    assert added(f"vllm:request_max_num_generation_tokens_sum{{{label}}}") == 6 + chat.usage.completion_tokens
 
 
 def test_a_client_that_leaves_a_stream_frees_its_engine_row(model, tokenizer):

@@ -67,8 +67,17 @@ def test_completions_are_counted_by_finish_reason_with_their_mean_time_per_token
     metrics.finished_completion("stop", prompt_tokens=20, generated=5, first_token=1.0, done=1.2)
     metrics.finished_completion("length", prompt_tokens=20, generated=1, first_token=1.0, done=1.0)
     metrics.finished_completion("abort", prompt_tokens=30, generated=0, first_token=None, done=4.0)
-    metrics.finished_completion("stop", prompt_tokens=20, generated=3, first_token=2.0, done=2.5)
+    metrics.finished_completion(
+        "stop", prompt_tokens=20, generated=3, first_token=2.0, done=2.5, max_tokens=64
+    )
+    metrics.finished_request(arrived=0.0, admitted=0.5, first_token=1.0, done=2.5, n=2, most_generated=5)
     snapshot = metrics.snapshot()
+    assert (
+        snapshot["histograms"]["max_tokens"]["count"] == 1
+        and snapshot["histograms"]["max_tokens"]["sum"] == 64
+    )
+    assert snapshot["histograms"]["n"]["buckets"][:2] == [0, 1]  # n = 2 on its own bound
+    assert snapshot["histograms"]["most_generated"]["sum"] == 5
     assert snapshot["finished"] == {"stop": 2, "length": 1, "abort": 1, "error": 0}
     per_token = snapshot["histograms"]["time_per_output_token"]
     # (1.2 - 1.0) / 4 and (2.5 - 2.0) / 2; a completion of one token or none counts 0, as vLLM's does
