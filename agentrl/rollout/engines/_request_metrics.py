@@ -111,9 +111,8 @@ class _Histogram:
         self.total = 0.0
 
     def observe(self, value: float, times: int = 1) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += (
-            times  # a value on a bound counts in its bucket
-        )
+        # a value on a bound counts in that bound's bucket (Prometheus buckets are `le`)
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
         self.total += value * times
 
     def snapshot(self) -> dict[str, Any]:

@@ -64,9 +64,9 @@ class Request:
     first_token_at: float | None = None
     """When its first token was recorded."""
     finished_sequences: int = 0
+    """Its completions that have finished: at `params.n` its latencies are counted (`_request_metrics.py`)."""
     most_generated: int = 0
     """The most tokens one of its finished completions generated."""
-    """Its completions that have finished: at `params.n` its latencies are counted (`_request_metrics.py`)."""
 
 
 @dataclass

@@ -466,8 +466,9 @@ class EmbeddedEngine:
             failed = [(request, seqs) for request, seqs in admitted if id(request) not in running]
             if part_of is not None:
                 with self._cond:
-                    failed += [item for item in self._waiting if item[0] is part_of]
+                    parts = [seq for request, seqs in self._waiting if request is part_of for seq in seqs]
                     self._waiting = deque(item for item in self._waiting if item[0] is not part_of)
+                failed.append((part_of, parts))
             self._count_finished("error", [seq for _, seqs in failed for seq in seqs])
             self._deliver_all([(request, error) for request, _ in failed])
             raise

@@ -6,6 +6,7 @@ import asyncio
 import copy
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,38 @@ def test_a_long_prompt_is_prefilled_in_parts_with_a_decode_step_between_each(mod
         assert stats["prefix_cache_hits"] == 0
         assert _gap(model, long, out) < 1e-4
         assert _gap(model, short, running) < 1e-4
+    finally:
+        engine.close()
+
+
+def test_a_part_that_fails_fails_its_prompt_and_the_running_row_and_the_engine_serves_on(model, tokenizer):
+    """A step whose part of a long prompt fails: the prompt being computed in parts (still waiting) and the row
+    decoding beside it both get the error, each counted as an error in the metrics, and the engine answers the
+    next request."""
+    engine = _engine(model, tokenizer)
+    real, failures = engine._batch.prefill_part, []
+
+    def failing(tokens, reserve):
+        if not failures:
+            failures.append(len(tokens))
+            raise RuntimeError("injected part failure")
+        return real(tokens, reserve)
+
+    engine._batch.prefill_part = failing
+    try:
+        short, long = _prompts(tokenizer)
+        errors = engine.stats()["request_metrics"]["finished"]["error"]
+        with pytest.raises(RuntimeError, match="injected part failure"):
+            while_a_row_decodes(engine, short, long)
+        deadline = (
+            time.monotonic() + 5
+        )  # the running row fails once the step's error reaches the engine's loop
+        while engine.stats()["running"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = engine.stats()
+        assert failures and stats["running"] == 0 and stats["waiting"] == 0
+        assert stats["request_metrics"]["finished"]["error"] == errors + 2
+        assert asyncio.run(engine.generate(short, LONG))[0].token_ids
     finally:
         engine.close()
 

@@ -92,6 +92,10 @@ def test_concurrent_sessions_are_traced_with_token_ids_and_logprobs(stack) -> No
     assert used == {s.url for s in servers}
 
 
+SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")
+"""What Prometheus appends to a family's name in its samples."""
+
+
 def _families(text: str) -> dict[str, tuple[str, set[str]]]:
     """Prometheus text -> {sample name: (its family's type, its label names)}."""
     types, samples = {}, {}
@@ -108,9 +112,6 @@ def _families(text: str) -> dict[str, tuple[str, set[str]]]:
         family = next(f for f in (name, *(name.removesuffix(s) for s in SUFFIXES)) if f in types)
         out[name] = (types[family], keys)
     return out
-
-
-SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")
 
 
 def test_every_metric_the_embedded_server_exposes_is_vllms_by_name_type_and_labels(stack) -> None:
