@@ -156,15 +156,18 @@ class DeviceDraw:
 
     slots: list[int]
     results: torch.Tensor
-    """(2, n) float64: token ids (exact below 2^53) and logprobs, indexed by slot; pinned memory on CUDA."""
+    """(steps, 2, n) float64: per decode step, token ids (exact below 2^53) and logprobs, indexed by slot;
+    pinned memory on CUDA."""
     ready: torch.cuda.Event | None
 
-    def read(self) -> tuple[list[int], list[float]]:
-        """Wait for the copy, then each slot's token id and logprob, in `slots` order."""
+    def read(self) -> list[tuple[list[int], list[float]]]:
+        """Wait for the copy, then per step each slot's token id and logprob, in `slots` order."""
         if self.ready is not None:
             self.ready.synchronize()
-        ids, logprobs = self.results.tolist()
-        return [int(ids[s]) for s in self.slots], [logprobs[s] for s in self.slots]
+        return [
+            ([int(ids[s]) for s in self.slots], [logprobs[s] for s in self.slots])
+            for ids, logprobs in self.results.tolist()
+        ]
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,9 @@ class SlotSampling:
     seeds: list[int]
     drawn: list[int]
     """Tokens each row has drawn so far: the position of its next draw within the completion."""
+    limits: list[int]
+    """Most tokens each row may draw (its max_tokens, or fewer where max_model_len comes first): a row at its
+    limit stops advancing, so decode steps launched past its end never write beyond its reserved positions."""
 
 
 class SlotBatch:
@@ -257,6 +263,7 @@ class SlotBatch:
         self._top_k = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self._seeds = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self._drawn = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        self._limits = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         self.images = ImagePrefill(model) if is_vision_language(model) else None
         self._rope_offsets = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         """Rotary position minus cache index of each slot's next tokens (nonzero after an image)."""
@@ -266,7 +273,7 @@ class SlotBatch:
         self._never = torch.tensor(never, device=self.device) if never else None
         """Token ids no draw on the device may choose (image pads: they stand for pixels)."""
         self._graphs: dict[
-            int | tuple[int, tuple[bool, bool]], tuple[torch.cuda.CUDAGraph, torch.Tensor]
+            int | tuple[int, tuple[bool, bool], int], tuple[torch.cuda.CUDAGraph, torch.Tensor]
         ] = {}
         self._graph_pool = None
         self._graph_weights: tuple | None = None
@@ -935,7 +942,7 @@ class SlotBatch:
             view.index_copy_(0, order, view.index_select(0, source))
         for state in (
             self._token_ids, self._positions, self._active, self._temperature, self._top_p, self._top_k,
-            self._seeds, self._drawn, self._rope_offsets,
+            self._seeds, self._drawn, self._limits, self._rope_offsets,
         ):  # fmt: skip
             state.index_copy_(0, order, state.index_select(0, source))
         self._row_slots = [down.get(slot, slot) for slot in self._row_slots]
@@ -987,6 +994,7 @@ class SlotBatch:
         self._set_slots(slots, self._top_k, sampling.top_k)
         self._set_slots(slots, self._seeds, [as_int64(seed) for seed in sampling.seeds])
         self._set_slots(slots, self._drawn, sampling.drawn)
+        self._set_slots(slots, self._limits, sampling.limits)
         if tokens is not None:
             self._set_slots(slots, self._token_ids, tokens)
 
@@ -1004,32 +1012,46 @@ class SlotBatch:
         )
         self._token_ids.index_copy_(0, index, chosen)
         self._drawn.index_add_(0, index, torch.ones_like(chosen))
-        results = torch.zeros(2, self.max_slots, dtype=torch.float64, device=self.device)
-        results[0].index_copy_(0, index, chosen.double())
-        results[1].index_copy_(0, index, logprob.double())
+        results = torch.zeros(1, 2, self.max_slots, dtype=torch.float64, device=self.device)
+        results[0, 0].index_copy_(0, index, chosen.double())
+        results[0, 1].index_copy_(0, index, logprob.double())
         return self._to_host(results, slots)
 
     @torch.inference_mode()
-    def decode_sampled(self, needs: tuple[bool, bool]) -> DeviceDraw:
+    def decode_sampled(self, needs: tuple[bool, bool], steps: int = 1) -> DeviceDraw:
         """Feed every slot its token from the device, draw the next one there, and make it the slot's next
-        input; returns the rows' draws on their way to the host (nothing here waits for the device).
+        input, `steps` times over; returns the rows' draws on their way to the host (nothing here waits for the
+        device). A row that reaches its limit within the steps stops advancing; one that ends otherwise (a stop
+        token) decodes on to the last step, and the host drops what it drew after its end.
 
-        Under CUDA graphs the draw and the state updates are part of the captured step: one replay instead of
-        the ~40 small kernels sampling launches from Python (~1 ms a step on an H100 host)."""
+        Under CUDA graphs the draws and the state updates are part of the captured step: one replay instead of
+        the ~40 small kernels sampling launches from Python (~1 ms a step on an H100 host), and one replay
+        for all `steps` (vLLM's multi-step scheduling, `num_scheduler_steps`): the host's work between steps,
+        and its waits for the GIL, come once per `steps` decode steps."""
         self.compact_rows()
         bucket = self._bucket(max(self._row_slots) + 1)
         if self.cuda_graphs:
-            graph, results = self._sampled_graph(bucket, needs)
+            graph, results = self._sampled_graph(bucket, needs, steps)
             graph.replay()
         else:
-            results = self._sampled_step(bucket, needs)
-        self._row_positions = [p + 1 for p in self._row_positions]
+            results = self._sampled_steps(bucket, needs, steps)
+        # At most: a row at its limit stopped earlier, and the host retires it before its position is read.
+        self._row_positions = [p + steps for p in self._row_positions]
         return self._to_host(results, list(self._row_slots))
 
-    def _sampled_step(self, bucket: int, needs: tuple[bool, bool], advance: bool = True) -> torch.Tensor:
-        """Decode, draw and (with `advance`) make each slot's draw its next input; (2, bucket) float64 results.
-        Without `advance` nothing but the cache changes (the graph's warm-up)."""
-        logits = self._step(bucket)
+    def _sampled_steps(
+        self, bucket: int, needs: tuple[bool, bool], steps: int, advance: bool = True
+    ) -> torch.Tensor:
+        """`steps` decode steps, each drawing and (with `advance`) making each slot's draw its next input;
+        (steps, 2, bucket) float64 results. Without `advance` nothing but the cache changes (the graph's
+        warm-up). Without graphs every step reads as far as the last one needs."""
+        span = None if self.cuda_graphs else self._span(steps)
+        return torch.stack([self._sampled_step(bucket, needs, advance, span) for _ in range(steps)])
+
+    def _sampled_step(
+        self, bucket: int, needs: tuple[bool, bool], advance: bool, span: int | None
+    ) -> torch.Tensor:
+        logits = self._step(bucket, span)
         drawn = self._drawn[:bucket]
         seeds = self._seeds[:bucket]
         state = (self._temperature[:bucket], self._top_p[:bucket], self._top_k[:bucket])
@@ -1037,10 +1059,10 @@ class SlotBatch:
             logits, *state, seeds, drawn if advance else drawn.clone(), needs
         )
         if advance:
-            active = self._active[:bucket]
+            moving = self._active[:bucket] * (drawn < self._limits[:bucket])
             self._token_ids[:bucket].copy_(chosen)
-            self._positions[:bucket] += active
-            drawn += active
+            self._positions[:bucket] += moving
+            drawn += moving
         return torch.stack([chosen.double(), logprob.double()])
 
     def _sample_on_device(self, logits: torch.Tensor, *settings: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1094,11 +1116,11 @@ class SlotBatch:
             self._shared = (key, plan)
         return self._shared[1]
 
-    def _span(self) -> int:
-        """Cache positions a decode step must read: past every running row's next position (a multiple of
-        `SPAN_STEP`). Without graphs the step's shapes may change each time; attention over the whole cache
-        would cost as if every row were as long as the longest allowed."""
-        reach = max(self._row_positions, default=0) + 1
+    def _span(self, steps: int = 1) -> int:
+        """Cache positions the next `steps` decode steps must read: past every running row's position at the
+        last of them (a multiple of `SPAN_STEP`). Without graphs the step's shapes may change each time;
+        attention over the whole cache would cost as if every row were as long as the longest allowed."""
+        reach = max(self._row_positions, default=0) + steps
         return min(self.length, -(-reach // SPAN_STEP) * SPAN_STEP)
 
     def _bucket(self, needed: int) -> int:
@@ -1120,20 +1142,21 @@ class SlotBatch:
         return self._graphs[bucket]
 
     def _sampled_graph(
-        self, bucket: int, needs: tuple[bool, bool]
+        self, bucket: int, needs: tuple[bool, bool], steps: int
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The graph of `_sampled_step` (decode, draw, advance the slots' state): (2, bucket) results out.
+        """The graph of `_sampled_steps` (decode, draw, advance the slots' state, `steps` times): (steps, 2,
+        bucket) results out.
 
         Its warm-up draws without advancing anything, so the replay that follows the capture is the step's
         only draw."""
-        key = (bucket, needs)
+        key = (bucket, needs, steps)
         if key not in self._graphs:
 
             def warm_up() -> None:
                 self._warm_up(bucket)
-                self._sampled_step(bucket, needs, advance=False)
+                self._sampled_steps(bucket, needs, 1, advance=False)
 
-            self._graphs[key] = self._capture(warm_up, lambda: self._sampled_step(bucket, needs))
+            self._graphs[key] = self._capture(warm_up, lambda: self._sampled_steps(bucket, needs, steps))
         return self._graphs[key]
 
     def _capture(

@@ -117,6 +117,7 @@ class EmbeddedEngine:
         compile_decode: bool = False,
         owns_weights: bool = True,
         draw_on_device: bool = True,
+        num_scheduler_steps: int = 1,
         enable_prefix_caching: bool = True,
         prefill_chunk_tokens: int = 8192,
         chunked_prefill: bool = True,
@@ -131,6 +132,9 @@ class EmbeddedEngine:
         `owns_weights=False`: `model` is the trainer's own module (the hybrid engine shares one copy of the
         weights): sleep frees only the KV cache, and the weights stay where training needs them.
         `draw_on_device=False`: every row draws on the host's schedule (`_step_on_host`), one step at a time.
+        `num_scheduler_steps` (vLLM's multi-step scheduling): rows drawing on the device decode this many steps
+        per engine step, one graph replay and one read of their tokens for all of them; requests join and
+        finished rows leave between them.
         `enable_prefix_caching` (vLLM's name): a finished sequence parks its slot so a prompt extending it (the
         agent's next turn) or sharing its prefix computes only the rest; identical prompts admitted together
         are computed once. `prefill_chunk_tokens`: the most prompt tokens one prefill forward computes.
@@ -155,6 +159,9 @@ class EmbeddedEngine:
         self.model = model.eval()
         self.owns_weights = owns_weights
         self.draw_on_device = draw_on_device
+        if num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {num_scheduler_steps}")
+        self.num_scheduler_steps = num_scheduler_steps
         self.image_processor = image_processor
         if image_processor is None and is_vision_language(model):
             self.image_processor = load_image_processor(model.name_or_path)
@@ -514,8 +521,8 @@ class EmbeddedEngine:
             start = time.perf_counter()
             if not self._rows_on_device:
                 batch.load_rows(0, self._slot_sampling(self._rows), [seq.pending for seq in self._rows])
-            launched = batch.decode_sampled(self._filters(self._rows))
-            self._decode_steps["device"] += 1
+            launched = batch.decode_sampled(self._filters(self._rows), self.num_scheduler_steps)
+            self._decode_steps["device"] += self.num_scheduler_steps
             self._busy_s["decode_s"] += time.perf_counter() - start
             self._read_in_flight(then_keep=(self._rows, launched, "decode_s"))
         if admitted:
@@ -537,14 +544,17 @@ class EmbeddedEngine:
         pending, self._in_flight = self._in_flight, [then_keep] if then_keep else []
         for rows, draw, phase in pending:
             start = time.perf_counter()
-            token_ids, logprobs = draw.read()
+            steps = draw.read()
             waited = time.perf_counter()
-            live = [
-                i for i, seq in enumerate(rows) if seq.finish_reason is None and not seq.request.cancelled
-            ]
-            self._record(
-                [rows[i] for i in live], [token_ids[i] for i in live], [logprobs[i] for i in live], None
-            )
+            for token_ids, logprobs in steps:  # a row that ended at a step ignores the steps after it
+                live = [
+                    i for i, seq in enumerate(rows) if seq.finish_reason is None and not seq.request.cancelled
+                ]
+                if not live:
+                    break
+                self._record(
+                    [rows[i] for i in live], [token_ids[i] for i in live], [logprobs[i] for i in live], None
+                )
             self._busy_s[phase] += waited - start
             self._busy_s["host_s"] += time.perf_counter() - waited
         self._timed_retire()
@@ -556,6 +566,10 @@ class EmbeddedEngine:
             top_k=[seq.request.params.top_k for seq in rows],
             seeds=[seq.seed for seq in rows],
             drawn=[len(seq.token_ids) for seq in rows],
+            limits=[
+                min(seq.request.max_new_tokens, self.max_model_len - len(seq.request.prompt_ids))
+                for seq in rows
+            ],
         )
 
     def _filters(self, rows: list[Sequence]) -> tuple[bool, bool]:

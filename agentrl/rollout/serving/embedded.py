@@ -100,6 +100,7 @@ def start_embedded_serving(
         cuda_graphs=not rollout.enforce_eager,
         compile_decode=compiles_decode(config),
         draw_on_device=rollout.draw_on_device,
+        num_scheduler_steps=rollout.num_scheduler_steps,
         owns_weights=policy is None,
         enable_prefix_caching=rollout.enable_prefix_caching,
         prefill_chunk_tokens=rollout.max_num_batched_tokens,

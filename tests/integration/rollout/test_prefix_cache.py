@@ -229,15 +229,19 @@ def test_a_parked_history_moved_up_by_compaction_keeps_every_position(model, tok
         engine.close()
 
 
+@pytest.mark.parametrize("steps", [1, 3])
 def test_agents_churning_through_a_small_engine_get_exact_answers_whatever_the_cache_did(
-    model, tokenizer, make_diverse_model
+    model, tokenizer, make_diverse_model, steps
 ):
     """Twenty agents over three system prompts, through an engine of twelve slots, their turns arriving at random
     moments: next turns take their parked histories over, copy prefixes from parked slots and from rows still
     running, evict each other's histories, and move with their rows when the batch packs them low. Two turns,
     new weights, two more. Every answer equals a teacher-forced forward of its whole sequence under the weights
-    it was generated with (a prefix read from the wrong slot, a stale or overwritten one, would not)."""
-    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=12, max_model_len=512)
+    it was generated with (a prefix read from the wrong slot, a stale or overwritten one, would not). With
+    `steps` decode steps per engine step, rows also end inside one and decode on past their ends."""
+    engine = EmbeddedEngine(
+        copy.deepcopy(model), tokenizer, max_num_seqs=12, max_model_len=512, num_scheduler_steps=steps
+    )
     other = make_diverse_model(seed=5)
     systems = [f"Assistant {k}: " + ("answer briefly and in numbers. " * (2 + k)) for k in range(3)]
 
