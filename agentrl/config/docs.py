@@ -92,6 +92,9 @@ def _render_type(annotation: Any) -> str:
         return " or ".join(_render_type(a) for a in args)
     if origin is Literal:
         return " / ".join(f"`{a}`" for a in args)
+    if origin is typing.Annotated:  # a bounded member of a union: int >= 1
+        bounds = [_render_bounds(meta) for meta in args[1:] if isinstance(meta, FieldInfo)]
+        return " ".join([_render_type(args[0]), *filter(None, bounds)])
     if origin is list:
         return f"list of {_render_type(args[0])}"
     if origin is tuple:

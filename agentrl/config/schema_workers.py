@@ -5,7 +5,7 @@ Part of the schema (see schema.py); split out so each file stays readable.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
@@ -188,8 +188,8 @@ class RolloutConfig(_Section):
     """torch.compile the embedded engine's decode and extend steps (the extend step prefills an agent's next turn over its cached history) before capturing their CUDA graphs (fuses their small kernels; one decoder layer is compiled and reused for every layer, once, when the engine is built: 15-20 s on an H200, 4-5 s with an earlier run's compile cache; falls back to the plain step if compilation fails). `auto`: only for bfloat16/float16 weights, where it halves a decode step and makes an extend forward 1.4x faster; a float32 step is bound by its matrix multiplies and decoded no faster compiled (docs/rollout.md)."""
     draw_on_device: bool = True
     """Embedded engine, slot path: draw plain rows' tokens on the device and launch each decode step before the previous step's tokens reach the host (false: read every step's tokens first)."""
-    num_scheduler_steps: int = Field(1, ge=1)
-    """Embedded engine, rows drawing on the device: decode steps per engine step (vLLM's multi-step scheduling), run as one CUDA graph replay whose tokens the host reads once; requests join and finished rows leave between engine steps, so a row that ends early decodes the rest of its engine step for nothing and a new request waits up to that many steps longer to start."""
+    num_scheduler_steps: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    """Embedded engine, rows drawing on the device: decode steps per engine step (vLLM's multi-step scheduling), run as one CUDA graph replay whose tokens the host reads once; requests join and finished rows leave between engine steps, so a row that ends early decodes the rest of its engine step for nothing and a new request waits up to that many steps longer to start. `auto`: 8 on a GPU under CUDA graphs (the 8-turn agent step on an H200: decode 90-111k tokens/s against 60-68k one step at a time, step 7.47 against 8.67 s by the medians, docs/benchmarks.md), 1 on the CPU and without graphs, where a step is its compute."""
     enable_prefix_caching: bool = True
     """Embedded engine, slot path: reuse the keys and values of prompt prefixes already computed (an agent's earlier turns, a GRPO group's shared prompt); vLLM's name."""
     max_num_batched_tokens: int = Field(8192, ge=16)

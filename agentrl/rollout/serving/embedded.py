@@ -77,6 +77,21 @@ def compiles_decode(config: AgentRLConfig) -> bool:
     return bool(rollout.compile_decode)
 
 
+SCHEDULER_STEPS_UNDER_GRAPHS = 8
+
+
+def scheduler_steps(config: AgentRLConfig, device: str) -> int:
+    """Decode steps per engine step: `rollout.num_scheduler_steps`, where `auto` is
+    `SCHEDULER_STEPS_UNDER_GRAPHS` on a GPU under CUDA graphs (one replay, one read of the tokens and one round
+    of the engine thread's Python for all of them, which waited for the GIL between every step) and 1 elsewhere
+    (a CPU step is its compute: more steps would only hold new requests back)."""
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.num_scheduler_steps != "auto":
+        return rollout.num_scheduler_steps
+    graphs = torch.device(device).type == "cuda" and not rollout.enforce_eager
+    return SCHEDULER_STEPS_UNDER_GRAPHS if graphs else 1
+
+
 def start_embedded_serving(
     model_path: str,
     tokenizer: Any,
@@ -100,7 +115,7 @@ def start_embedded_serving(
         cuda_graphs=not rollout.enforce_eager,
         compile_decode=compiles_decode(config),
         draw_on_device=rollout.draw_on_device,
-        num_scheduler_steps=rollout.num_scheduler_steps,
+        num_scheduler_steps=scheduler_steps(config, device),
         owns_weights=policy is None,
         enable_prefix_caching=rollout.enable_prefix_caching,
         prefill_chunk_tokens=rollout.max_num_batched_tokens,
