@@ -199,7 +199,8 @@ class EmbeddedEngine:
         self._sequences_finished = 0
         self._prefills = 0
         self._decode_steps = {"device": 0, "host": 0}
-        """Decode steps that drew on the device one step ahead (`_step_on_device`), and on the host's schedule."""
+        """Decode steps that drew on the device one engine step ahead (`_step_on_device`, `num_scheduler_steps`
+        each), and on the host's schedule."""
         self._busy_s = {"prefill_s": 0.0, "decode_s": 0.0, "host_s": 0.0}
         """Cumulative scheduler time: prefill and decode forwards with sampling (until the ids reach the host),
         and the per-row Python work around them (settings, stop checks, events)."""
