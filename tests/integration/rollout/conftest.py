@@ -6,6 +6,7 @@ import torch
 from agentrl.models import load_causal_lm, load_tokenizer
 
 MODEL = "tiny:qwen2-mini"
+QUESTIONS = ["What is 2+3?", "Alice has 5 apples and buys 7 more. How many now?", "Hi", "Count: 1 2 3"]
 
 
 def diverse_model(seed: int = 0):
@@ -33,3 +34,14 @@ def model():
 def make_diverse_model():
     """`diverse_model` itself, for tests that need other weights (another seed)."""
     return diverse_model
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    """Four one-question chats, rendered for generation: short prompts of different lengths."""
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)[
+            "input_ids"
+        ]
+        for q in QUESTIONS
+    ]

@@ -21,7 +21,6 @@ from agentrl.types import SamplingParams
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny:qwen2-mini"
-QUESTIONS = ["What is 2+3?", "Alice has 5 apples and buys 7 more. How many now?", "Hi", "Count: 1 2 3"]
 
 
 @pytest.fixture
@@ -29,16 +28,6 @@ def engine(model, tokenizer):
     engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=16, max_model_len=128)
     yield engine
     engine.close()
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)[
-            "input_ids"
-        ]
-        for q in QUESTIONS
-    ]
 
 
 def _teacher_forced_logprobs(model, prompt, completion, temperature=1.0):

@@ -5,33 +5,12 @@ import asyncio
 import copy
 
 import pytest
-import torch
 
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.types import SamplingParams
+from tests.integration.rollout.test_prefix_cache import _gap
 
 pytestmark = pytest.mark.slow
-QUESTIONS = ["What is 2+3?", "Alice has 5 apples", "Hi", "Count: 1 2 3"]
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)[
-            "input_ids"
-        ]
-        for q in QUESTIONS
-    ]
-
-
-def _teacher_forced(model, prompt, completion):
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
-
-
-def _gap(model, prompt, out):
-    return (_teacher_forced(model, prompt, out.token_ids) - torch.tensor(out.logprobs)).abs().max().item()
 
 
 def _serve(model, tokenizer, steps, calls, max_model_len=128):
