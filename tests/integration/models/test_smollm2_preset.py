@@ -19,6 +19,7 @@ from agentrl.models import SMOLLM2_NAME, load_causal_lm, load_tokenizer, resolve
 from agentrl.models import smollm2 as smollm2_lib
 from agentrl.rollout.engines.embedded import build_embedded_engine
 from agentrl.types import SamplingParams
+from tests._chat import one_question_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +43,7 @@ def model(converted):
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)[
-            "input_ids"
-        ]
-        for q in QUESTIONS
-    ]
+    return one_question_prompts(tokenizer, QUESTIONS)
 
 
 def test_resolving_twice_at_once_and_once_more_converts_once(converted):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from agentrl.models import load_causal_lm, load_tokenizer
+from tests._chat import one_question_prompts
 
 MODEL = "tiny:qwen2-mini"
 QUESTIONS = ["What is 2+3?", "Alice has 5 apples and buys 7 more. How many now?", "Hi", "Count: 1 2 3"]
@@ -39,9 +40,4 @@ def make_diverse_model():
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     """Four one-question chats, rendered for generation: short prompts of different lengths."""
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)[
-            "input_ids"
-        ]
-        for q in QUESTIONS
-    ]
+    return one_question_prompts(tokenizer, QUESTIONS)
