@@ -75,6 +75,13 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help="prompt tokens one prefill forward (and, chunked, one step) computes (vLLM's flag; embedded: 8192)",
     )
     p.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        default=None,
+        help="embedded: decode steps per engine step for rows drawing on the device (vLLM V0's flag; default 1 "
+        "on the CPU: a step is its compute)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="embedded: no torch.compile of the decode step and no CUDA graphs (vLLM's flag; both on by default)",
@@ -105,15 +112,21 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--threads must be >= 1, got {args.threads}")
     if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 16:
         p.error(f"--max-num-batched-tokens must be >= 16, got {args.max_num_batched_tokens}")
+    if args.num_scheduler_steps is not None:
+        if args.num_scheduler_steps < 1:
+            p.error(f"--num-scheduler-steps must be >= 1, got {args.num_scheduler_steps}")
+        if args.engine == "vllm":
+            p.error("--num-scheduler-steps is the embedded engine's (vLLM 0.32 schedules one step at a time)")
     return args
 
 
-def _prefill_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The prefill flags given, as the embedded engine's arguments (the rest keep its defaults)."""
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The prefill and scheduling flags given, as the embedded engine's arguments (the rest keep its defaults)."""
     named = {
         "enable_prefix_caching": args.enable_prefix_caching,
         "chunked_prefill": args.enable_chunked_prefill,
         "prefill_chunk_tokens": args.max_num_batched_tokens,
+        "num_scheduler_steps": args.num_scheduler_steps,
     }
     return {key: value for key, value in named.items() if value is not None}
 
@@ -185,7 +198,7 @@ def _start_embedded(
             cuda_graphs=not args.enforce_eager,
             compile_decode=not args.enforce_eager,
             threads=args.threads or engine_threads(),
-            **_prefill_options(args),
+            **_engine_options(args),
         )
         cleanup.append(engine.close)
         app = build_server_app(

@@ -274,8 +274,9 @@ def test_serve_threads_default_to_the_usable_cores_and_zero_is_refused(tmp_path)
 
 def test_serve_prefill_flags_reach_either_engine_as_given(tmp_path):
     """vLLM's flags: the embedded engine takes the ones given as its arguments, `vllm serve` gets them back as
-    flags; none given leaves both engines' defaults."""
-    from agentrl.cli.serve import _parse_args, _prefill_options, _vllm_prefill_flags
+    flags; none given leaves both engines' defaults. `--num-scheduler-steps` (vLLM V0's) is the embedded
+    engine's alone."""
+    from agentrl.cli.serve import _engine_options, _parse_args, _vllm_prefill_flags
 
     given = _parse_args(
         [
@@ -285,12 +286,15 @@ def test_serve_prefill_flags_reach_either_engine_as_given(tmp_path):
             "--enable-prefix-caching",
             "--max-num-batched-tokens",
             "64",
+            "--num-scheduler-steps",
+            "4",
         ]
     )
-    assert _prefill_options(given) == {
+    assert _engine_options(given) == {
         "enable_prefix_caching": True,
         "chunked_prefill": False,
         "prefill_chunk_tokens": 64,
+        "num_scheduler_steps": 4,
     }
     assert _vllm_prefill_flags(given) == [
         "--enable-prefix-caching",
@@ -299,6 +303,10 @@ def test_serve_prefill_flags_reach_either_engine_as_given(tmp_path):
         "64",
     ]
     none = _parse_args(["--model", "tiny:qwen2"])
-    assert _prefill_options(none) == {} and _vllm_prefill_flags(none) == []
+    assert _engine_options(none) == {} and _vllm_prefill_flags(none) == []
     result = _agentrl("serve", "--model", "tiny:qwen2", "--max-num-batched-tokens", "8", cwd=tmp_path)
     assert result.returncode == 2 and "--max-num-batched-tokens must be >= 16, got 8" in result.stderr
+    result = _agentrl("serve", "--model", "tiny:qwen2", "--num-scheduler-steps", "0", cwd=tmp_path)
+    assert result.returncode == 2 and "--num-scheduler-steps must be >= 1, got 0" in result.stderr
+    result = _agentrl("serve", "--model", "x", "--engine", "vllm", "--num-scheduler-steps", "2", cwd=tmp_path)
+    assert result.returncode == 2 and "--num-scheduler-steps is the embedded engine's" in result.stderr

@@ -965,6 +965,7 @@ class EmbeddedEngine:
             "compile_decode": isinstance(self._batch, SlotBatch) and self._batch.compiled,
             "enable_chunked_prefill": self.chunked_prefill,
             "max_num_batched_tokens": self.prefill_chunk_tokens,
+            "num_scheduler_steps": self.num_scheduler_steps,
             "request_metrics": self._metrics.snapshot(),
         }
 

@@ -101,16 +101,17 @@ def test_serve_embedded_two_servers(tmp_path: Path) -> None:
 
 
 def test_serve_passes_vllms_prefill_flags_to_the_embedded_engine(tmp_path: Path) -> None:
-    """`--no-enable-chunked-prefill --max-num-batched-tokens 48 --enforce-eager` as `vllm serve` takes them; the
-    server's `GET /stats` shows what its engine runs with."""
+    """`--no-enable-chunked-prefill --max-num-batched-tokens 48 --enforce-eager` as `vllm serve` takes them, and
+    V0's `--num-scheduler-steps`; the server's `GET /stats` shows what its engine runs with."""
     args = ["--model", "tiny:qwen2-mini", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "48"]
-    args.append("--enforce-eager")
+    args += ["--enforce-eager", "--num-scheduler-steps", "3"]
     proc, base, lines = _start_serve([*args, "--log-dir", str(tmp_path)], 120)
     try:
         server = httpx.get(f"{base}/health").json()["servers"][0]["url"]
         stats = httpx.get(f"{server}/stats", timeout=30).json()
         assert stats["enable_chunked_prefill"] is False and stats["max_num_batched_tokens"] == 48
         assert stats["enable_prefix_caching"] is True and stats["compile_decode"] is False
+        assert stats["num_scheduler_steps"] == 3
     finally:
         _interrupt(proc)
     assert proc.returncode == 0
