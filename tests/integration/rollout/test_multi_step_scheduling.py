@@ -92,3 +92,28 @@ def test_num_scheduler_steps_below_one_is_refused(model, tokenizer):
         EmbeddedEngine(
             copy.deepcopy(model), tokenizer, max_num_seqs=2, max_model_len=64, num_scheduler_steps=0
         )
+
+
+def test_a_streamed_answer_gets_an_engine_steps_tokens_in_one_event(model, tokenizer, prompts):
+    """With 4 decode steps per engine step a streamed row's tokens come four to an event (vLLM's multi-step
+    streaming), not one event a token: K times fewer chunks through the server and gateway. The tokens and
+    logprobs streamed are the ones a single-step engine draws."""
+    params = SamplingParams(temperature=1.0, max_tokens=14, seed=5)
+    ((single,),), _ = _serve(model, tokenizer, 1, [(prompts[2], params)])
+    engine = EmbeddedEngine(
+        copy.deepcopy(model), tokenizer, max_num_seqs=4, max_model_len=128, num_scheduler_steps=4
+    )
+
+    async def run():
+        return [event async for event in engine.stream(prompts[2], params)]
+
+    try:
+        events = asyncio.run(run())
+    finally:
+        engine.close()
+    sizes = [len(event.token_ids) for event in events]
+    assert sum(sizes) == 14 and max(sizes) == 4 and sizes.count(4) >= 3, sizes
+    assert [t for event in events for t in event.token_ids] == single.token_ids
+    streamed = [lp for event in events for lp in event.logprobs]
+    assert max(abs(a - b) for a, b in zip(streamed, single.logprobs, strict=True)) < 1e-5
+    assert events[-1].finish_reason == "length" and events[-1].output.token_ids == single.token_ids
