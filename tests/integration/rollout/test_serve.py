@@ -102,7 +102,10 @@ def test_serve_embedded_two_servers(tmp_path: Path) -> None:
 
 def test_serve_passes_vllms_prefill_flags_to_the_embedded_engine(tmp_path: Path) -> None:
     """`--no-enable-chunked-prefill --max-num-batched-tokens 48 --enforce-eager` as `vllm serve` takes them, and
-    V0's `--num-scheduler-steps`; the server's `GET /stats` shows what its engine runs with."""
+    V0's `--num-scheduler-steps`; the server's `GET /stats` shows what its engine runs with, and a streamed
+    answer through the gateway comes three tokens to a chunk (one chunk an engine step, as vLLM streams)."""
+    import openai
+
     args = ["--model", "tiny:qwen2-mini", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "48"]
     args += ["--enforce-eager", "--num-scheduler-steps", "3"]
     proc, base, lines = _start_serve([*args, "--log-dir", str(tmp_path)], 120)
@@ -112,6 +115,17 @@ def test_serve_passes_vllms_prefill_flags_to_the_embedded_engine(tmp_path: Path)
         assert stats["enable_chunked_prefill"] is False and stats["max_num_batched_tokens"] == 48
         assert stats["enable_prefix_caching"] is True and stats["compile_decode"] is False
         assert stats["num_scheduler_steps"] == 3
+        client = openai.OpenAI(base_url=f"{base}/sessions/steps/v1", api_key="none")
+        chunks = client.chat.completions.create(
+            model="tiny:qwen2-mini",
+            messages=[{"role": "user", "content": "Count on."}],
+            max_tokens=13,
+            logprobs=True,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        sizes = [len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs]
+        assert sum(sizes) == 13 and max(sizes) == 3 and sizes.count(3) >= 3, sizes
     finally:
         _interrupt(proc)
     assert proc.returncode == 0
