@@ -7,7 +7,8 @@ Each step runs `--tasks` tasks x `--episodes` episodes of a flow that talks to t
   short user message naming the task;
 - `--turns` model calls; call t asks for k tokens, k drawn in [`--min-answer`, `--max-answer`], with
   `max_tokens=k` and `extra_body={"min_tokens": k, "ignore_eos": True}`, so answers have the drawn length
-  even from random weights;
+  even from random weights; with `--stream` each call streams (`stream=True`, `logprobs=True`, usage in the
+  last chunk) and the flow joins the chunks' text;
 - after every call but the last, a tool runs: `--tool-cpu-ms` of Python first (0 by default: an environment
   step that holds the flow's event loop), then it sleeps (`--tool-latency zero`: not at all; `longtail`:
   lognormal with median 0.2 s and sigma 0.5, and 2% of calls 4 s) and its ~`--obs-tokens`-token output is
@@ -32,7 +33,9 @@ engine received and the tokens its prefill computed (`perf/prompt_tokens`, `perf
 `perf/prefill_tokens_per_s`, `perf/decode_tokens_per_s`, `gateway/continued_turns` and
 `gateway/continuation_fallbacks`; then the share of an episode's wall time spent waiting on tools (measured by
 the flow, `batch/tool_wait_share`), the mean prompt length of the last call (`last prompt`, what the history
-grew to) and the share of failed episodes (error, timeout, prompt too long). A JSON line per row follows the
+grew to), the share of failed episodes (error, timeout, prompt too long) and, with `--stream`, the tokens a
+streamed chunk carried (`tok/chunk`: completion tokens over the chunks with tokens, `batch/tokens_per_chunk`;
+1 when the server streams a token at a time, more when it decodes several steps per engine step). A JSON line per row follows the
 table; `--out FILE` writes the workload and the rows as JSON.
 
     # CPU, small (15-20 s on 2 cores):
@@ -94,6 +97,7 @@ OPTIONAL_METRICS = {
     "staleness_mean": ("async/staleness_mean",),
     "staleness_max": ("async/staleness_max",),
     "streamed_share": ("async/streamed_share",),
+    "tokens_per_chunk": ("batch/tokens_per_chunk",),
 }
 """Row field -> the metric names it is read from, the first present winning (None when none is)."""
 FAILED_REASONS = ("error", "timeout", "max_prompt_length_exceeded")
@@ -111,6 +115,7 @@ class Workload:
     tool_latency: str
     seed: int
     tool_cpu_ms: float = 0.0
+    stream: bool = False
 
 
 class WordText:
@@ -159,19 +164,26 @@ class ToolLoopFlow(AgentFlow):
         started = time.perf_counter()
         messages = [dict(m) for m in task["prompt"]]
         waited, sent, last_prompt, answer = 0.0, 0, 0, ""
+        generated = chunks = 0
         for turn in range(w.turns):
             rng = random.Random(f"{w.seed}:{ctx.session_id}:{turn}")
             k = rng.randint(w.min_answer, w.max_answer)
-            reply = await ctx.client.chat.completions.create(
-                model=ctx.model,
-                messages=messages,
-                max_tokens=k,
-                extra_body={"min_tokens": k, "ignore_eos": True},
-            )
-            answer = reply.choices[0].message.content or ""
-            if reply.usage is not None:
-                last_prompt = reply.usage.prompt_tokens
+            request = {
+                "model": ctx.model,
+                "messages": messages,
+                "max_tokens": k,
+                "extra_body": {"min_tokens": k, "ignore_eos": True},
+            }
+            if w.stream:
+                answer, usage, texts = await streamed_reply(ctx.client, request)
+                chunks += texts
+            else:
+                reply = await ctx.client.chat.completions.create(**request)
+                answer, usage = reply.choices[0].message.content or "", reply.usage
+            if usage is not None:
+                last_prompt = usage.prompt_tokens
                 sent += last_prompt
+                generated += usage.completion_tokens
             messages.append({"role": "assistant", "content": answer})
             if turn == w.turns - 1:
                 break
@@ -195,8 +207,25 @@ class ToolLoopFlow(AgentFlow):
                 "flow_wall_s": time.perf_counter() - started,
                 "last_prompt_tokens": float(last_prompt),
                 "prompt_tokens_sent": float(sent),
+                **({"tokens_per_chunk": generated / max(chunks, 1)} if w.stream else {}),
             },
         )
+
+
+async def streamed_reply(client, request: dict) -> tuple[str, object, int]:
+    """One streamed chat call: its text, its usage (the last chunk's) and how many chunks carried tokens (by
+    their logprobs: a token of a random-weight preset often decodes to no text)."""
+    stream = await client.chat.completions.create(
+        **request, stream=True, stream_options={"include_usage": True}, logprobs=True
+    )
+    parts, usage, chunks = [], None, 0
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        if chunk.choices:
+            choice = chunk.choices[0]
+            parts.append(choice.delta.content or "")
+            chunks += bool(choice.logprobs and choice.logprobs.content)
+    return "".join(parts), usage, chunks
 
 
 class SeededReward(Evaluator):
@@ -215,6 +244,7 @@ class SeededReward(Evaluator):
                 "tool_wait_share": share,
                 "last_prompt_tokens": m.get("last_prompt_tokens", 0.0),
                 "prompt_tokens_sent": m.get("prompt_tokens_sent", 0.0),
+                **({"tokens_per_chunk": m["tokens_per_chunk"]} if "tokens_per_chunk" in m else {}),
             },
         )
 
@@ -349,7 +379,7 @@ def run_config(args: argparse.Namespace, name: str = "default", overrides: list[
     max_prompt = prompt_budget(args, words, rows[0]["prompt"])
     workload = Workload(
         args.turns, args.min_answer, args.max_answer, args.obs_tokens, args.tool_latency, args.seed,
-        args.tool_cpu_ms,
+        args.tool_cpu_ms, args.stream,
     )  # fmt: skip
     extra = [*args.set, *overrides]
     with tempfile.TemporaryDirectory(prefix="agent_step-") as run_dir:
@@ -406,6 +436,7 @@ COLUMNS = [
     ("staleness mean", "staleness_mean", 2),
     ("staleness max", "staleness_max", 0),
     ("streamed", "streamed_share", 2),
+    ("tok/chunk", "tokens_per_chunk", 2),
 ]
 
 
@@ -450,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=16,
         help="most rows per actor forward/backward (the largest divisor of tasks x episodes within it)",
+    )
+    p.add_argument(
+        "--stream", action="store_true", help="the flows stream every call (stream=True), joining the chunks"
     )
     p.add_argument("--timeout", type=float, default=600.0, help="agent.timeout in seconds")
     p.add_argument("--seed", type=int, default=1)
@@ -514,6 +548,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"answers {args.min_answer}-{args.max_answer} tokens, system ~{rows[0]['system_tokens']} tokens, "
         f"observations ~{args.obs_tokens} tokens, tools {args.tool_latency}"
         + (f" + {args.tool_cpu_ms:g} ms of Python" if args.tool_cpu_ms else "")
+        + (", every call streamed" if args.stream else "")
         + "; "
         + measured_steps_text(args.steps)
     )

@@ -60,3 +60,21 @@ def test_a_tiny_run_reports_a_row_that_a_later_failing_config_keeps(tmp_path, ca
     assert row["phases"]["timing/update_actor"] == row["update_s"] and "timing/sync_weights" in row["phases"]
     printed = capsys.readouterr().out
     assert "default done: | default | " in printed
+
+
+@pytest.mark.slow
+def test_streamed_calls_merge_and_report_the_tokens_a_chunk_carried():
+    """`--stream`: every call streams through the gateway and still continues in token space (every next turn
+    merges into its episode's row); one decode step per engine step streams a token a chunk, four per engine
+    step more than one (an engine step's tokens come as one chunk)."""
+    rows = agent_step.main(
+        ["--model", "tiny:qwen2-mini", "--device", "cpu", "--tasks", "1", "--episodes", "2", "--turns", "3"]
+        + ["--steps", "2", "--system-tokens", "20", "--min-answer", "6", "--max-answer", "9"]
+        + ["--obs-tokens", "8", "--tool-latency", "zero", "--stream"]
+        + ["--set", "actor_rollout_ref.rollout.max_num_seqs=8"]
+        + ["--config", "k1:", "--config", "k4:actor_rollout_ref.rollout.num_scheduler_steps=4"]
+    )
+    one, four = rows
+    assert one["merged_steps"] == four["merged_steps"] == 4  # 2 episodes x 2 next turns
+    assert one["continuation_fallbacks"] == four["continuation_fallbacks"] == 0
+    assert one["tokens_per_chunk"] == 1 and four["tokens_per_chunk"] > 1.5
