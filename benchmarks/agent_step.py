@@ -35,8 +35,8 @@ engine received and the tokens its prefill computed (`perf/prompt_tokens`, `perf
 the flow, `batch/tool_wait_share`), the mean prompt length of the last call (`last prompt`, what the history
 grew to), the share of failed episodes (error, timeout, prompt too long) and, with `--stream`, the tokens a
 streamed chunk carried (`tok/chunk`: completion tokens over the chunks with tokens, `batch/tokens_per_chunk`;
-1 when the server streams a token at a time, more when it decodes several steps per engine step). A JSON line per row follows the
-table; `--out FILE` writes the workload and the rows as JSON.
+1 when the server streams a token at a time, more when it decodes several steps per engine step). A JSON line
+per row follows the table; `--out FILE` writes the workload and the rows as JSON.
 
     # CPU, small (15-20 s on 2 cores):
     python benchmarks/agent_step.py --tasks 2 --episodes 2 --turns 3 --steps 2 \\
@@ -175,8 +175,8 @@ class ToolLoopFlow(AgentFlow):
                 "extra_body": {"min_tokens": k, "ignore_eos": True},
             }
             if w.stream:
-                answer, usage, texts = await streamed_reply(ctx.client, request)
-                chunks += texts
+                answer, usage, with_tokens = await streamed_reply(ctx.client, request)
+                chunks += with_tokens
             else:
                 reply = await ctx.client.chat.completions.create(**request)
                 answer, usage = reply.choices[0].message.content or "", reply.usage
