@@ -10,13 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from agentrl.config import load_config
 from agentrl.models import load_tokenizer, resolve_model_path
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.rollout.serving.embedded import start_embedded_serving
 from agentrl.types import SamplingParams
+from tests._teacher_forcing import teacher_forcing_gap
 
 pytestmark = pytest.mark.slow
 RUNNING = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
@@ -72,13 +72,6 @@ def while_a_row_decodes(engine, short, long, running_params=RUNNING, long_params
     return asyncio.run(run())
 
 
-def _gap(model, prompt, out):
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1].float()
-    forced = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
-    return (forced - torch.tensor(out.logprobs)).abs().max().item()
-
-
 def _prompts(tokenizer):
     short = tokenizer("Tell me a story about a lighthouse.")["input_ids"]
     long = tokenizer(" ".join(f"item {i} weighs {3 * i % 17} kg;" for i in range(40)))["input_ids"]
@@ -101,8 +94,8 @@ def test_a_long_prompt_is_prefilled_in_parts_with_a_decode_step_between_each(mod
         # Each token computed once, and the parts the engine computed itself are not prefix cache hits.
         assert stats["prefill_tokens"] == len(short) + len(long)
         assert stats["prefix_cache_hits"] == 0
-        assert _gap(model, long, out) < 1e-4
-        assert _gap(model, short, running) < 1e-4
+        assert teacher_forcing_gap(model, long, out) < 1e-4
+        assert teacher_forcing_gap(model, short, running) < 1e-4
     finally:
         engine.close()
 
@@ -173,7 +166,7 @@ def test_a_burst_is_admitted_over_steps_within_the_budget_and_identical_prompts_
         assert still_running, "the decoding row finished before the bursts: nothing was budgeted"
         assert counts[1] - counts[0] == 4
         assert counts[2] - counts[1] == 1
-        assert _gap(model, different[0], out) < 1e-4
+        assert teacher_forcing_gap(model, different[0], out) < 1e-4
     finally:
         engine.close()
 
@@ -187,7 +180,7 @@ def test_chunked_prefill_off_prefills_the_long_prompt_in_one_step(model, tokeniz
         stats = engine.stats()
         assert parts == [] and stats["prefill_parts"] == 0
         assert stats["prefill_forwards"] >= len(long) // PART  # its chunks ran back to back, in one step
-        assert _gap(model, long, out) < 1e-4
+        assert teacher_forcing_gap(model, long, out) < 1e-4
     finally:
         engine.close()
 
@@ -200,7 +193,7 @@ def test_an_idle_engine_prefills_a_long_prompt_whole(model, tokenizer):
         _, long = _prompts(tokenizer)
         out = asyncio.run(engine.generate(long, LONG))[0]
         assert parts == [] and engine.stats()["prefill_parts"] == 0
-        assert _gap(model, long, out) < 1e-4
+        assert teacher_forcing_gap(model, long, out) < 1e-4
     finally:
         engine.close()
 

@@ -18,6 +18,7 @@ from agentrl.rollout.engines.embedded import (
     fingerprint_state_dict,
 )
 from agentrl.types import SamplingParams
+from tests._teacher_forcing import teacher_forced_logprobs
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny:qwen2-mini"
@@ -28,13 +29,6 @@ def engine(model, tokenizer):
     engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_num_seqs=16, max_model_len=128)
     yield engine
     engine.close()
-
-
-def _teacher_forced_logprobs(model, prompt, completion, temperature=1.0):
-    """log softmax(z / T) of a teacher-forced forward at each completion token (what the trainer computes)."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
 
 
 def test_greedy_equals_model_generate_while_batched_with_sampling(engine, model, prompts):
@@ -68,7 +62,7 @@ def test_sampled_logprobs_match_teacher_forcing(engine, model, prompts):
     ):
         for out in outputs:
             assert len(out.logprobs) == len(out.token_ids) == len(out.top_logprobs)
-            reference = _teacher_forced_logprobs(model, prompt, out.token_ids, temperature)
+            reference = teacher_forced_logprobs(model, prompt, out.token_ids, temperature)
             worst = max(worst, (reference - torch.tensor(out.logprobs)).abs().max().item())
             checked += len(out.token_ids)
     assert checked > 200
@@ -227,7 +221,7 @@ def test_slot_cache_grows_while_rows_run_and_logprobs_stay_exact(model, tokenize
         short_out, long_out = asyncio.run(run())
         assert engine.stats()["kv_slots"] == 512
         for prompt, out in [(prompts[0], o) for o in short_out] + [(prompts[1], long_out[0])]:
-            reference = _teacher_forced_logprobs(model, prompt, out.token_ids)
+            reference = teacher_forced_logprobs(model, prompt, out.token_ids)
             assert (reference - torch.tensor(out.logprobs)).abs().max().item() < 1e-4
         assert len(long_out[0].token_ids) == 300
     finally:
@@ -257,7 +251,7 @@ def test_a_compiled_cpu_decode_step_compiles_on_the_engines_thread_and_stays_exa
 
         for prompt, outputs in zip(shared, asyncio.run(run()), strict=True):
             for out in outputs:
-                reference = _teacher_forced_logprobs(model, prompt, out.token_ids)
+                reference = teacher_forced_logprobs(model, prompt, out.token_ids)
                 assert (reference - torch.tensor(out.logprobs)).abs().max().item() < 1e-4
         # every step of the 150 read the preamble (and each prompt, its two rows' whole prompt) once
         assert engine.stats()["decode_shared_prefix_steps"] >= 149
@@ -480,7 +474,7 @@ def test_a_long_answer_outliving_its_batch_moves_to_a_low_slot_and_draws_the_sam
     assert engine.stats()["rows_compacted"] > before
     assert out.token_ids == alone.token_ids
     torch.testing.assert_close(out.logprobs, alone.logprobs, atol=1e-5, rtol=0)  # other batch shapes
-    reference = _teacher_forced_logprobs(model, prompts[1], out.token_ids)
+    reference = teacher_forced_logprobs(model, prompts[1], out.token_ids)
     assert (reference - torch.tensor(out.logprobs)).abs().max().item() < 1e-4
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.types import SamplingParams
-from tests.integration.rollout.test_prefix_cache import _gap
+from tests._teacher_forcing import teacher_forcing_gap
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def test_several_steps_per_engine_step_draw_what_one_step_at_a_time_draws(model,
             assert multi.token_ids == single.token_ids
             assert multi.finish_reason == single.finish_reason == "length"
             assert max(abs(a - b) for a, b in zip(multi.logprobs, single.logprobs, strict=True)) < 1e-6
-            assert _gap(model, prompt, multi) < 1e-4
+            assert teacher_forcing_gap(model, prompt, multi) < 1e-4
     assert four_stats["decode_steps_device"] % 4 == 0 and one_stats["decode_steps_device"] % 4 != 0
 
 
@@ -82,7 +82,7 @@ def test_a_row_stopped_inside_an_engine_step_parks_a_history_its_next_turn_reads
             engine.generate(following, SamplingParams(temperature=1.0, max_tokens=9, seed=4))
         )
         assert engine.stats()["prefix_cache_hits"] - hits >= len(prompts[1]) + 6
-        assert _gap(model, following, answer) < 1e-4
+        assert teacher_forcing_gap(model, following, answer) < 1e-4
     finally:
         engine.close()
 

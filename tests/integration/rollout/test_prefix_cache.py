@@ -11,6 +11,7 @@ import torch
 
 from agentrl.rollout.engines.embedded import EmbeddedEngine
 from agentrl.types import SamplingParams
+from tests._teacher_forcing import teacher_forcing_gap
 
 pytestmark = pytest.mark.slow
 SAMPLE = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
@@ -27,16 +28,6 @@ def _prompt(tokenizer, text):
         {"role": "user", "content": text},
     ]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
-
-
-def _teacher_forced(model, prompt, completion):
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
-
-
-def _gap(model, prompt, out):
-    return (_teacher_forced(model, prompt, out.token_ids) - torch.tensor(out.logprobs)).abs().max().item()
 
 
 def _wait_for(condition, seconds=5.0):
@@ -74,7 +65,7 @@ def test_a_next_turn_prefills_only_its_new_tokens_and_stays_exact(model, tokeniz
         computed = after["prefill_tokens"] - before["prefill_tokens"]
         assert reused == len(first_prompt) + len(first.token_ids) - 1  # all but the last sampled token
         assert computed == len(second_prompt) - reused
-        assert _gap(model, second_prompt, second) < 1e-4
+        assert teacher_forcing_gap(model, second_prompt, second) < 1e-4
     finally:
         engine.close()
     plain = _engine(model, tokenizer, enable_prefix_caching=False)
@@ -102,7 +93,7 @@ def test_siblings_sent_as_separate_requests_share_one_prefill(model, tokenizer):
         assert stats["prefills"] == 1 and stats["prefill_tokens"] == len(prompt)
         assert stats["prefix_cache_hits"] == 3 * len(prompt)
         assert len({tuple(o.token_ids) for o in outs}) > 1
-        assert max(_gap(model, prompt, o) for o in outs) < 1e-4
+        assert max(teacher_forcing_gap(model, prompt, o) for o in outs) < 1e-4
     finally:
         engine.close()
 
@@ -127,7 +118,7 @@ def test_prompts_arriving_together_compute_their_shared_prefix_once_and_stay_exa
         stats = engine.stats()
         assert stats["prefill_tokens"] == sum(len(p) for p in prompts) - 3 * shared
         assert stats["prefix_cache_hits"] == 3 * shared
-        assert max(_gap(model, p, o) for p, o in zip(prompts, outs, strict=True)) < 1e-4
+        assert max(teacher_forcing_gap(model, p, o) for p, o in zip(prompts, outs, strict=True)) < 1e-4
     finally:
         engine.close()
 
@@ -157,7 +148,10 @@ def test_a_prompt_copies_its_prefix_from_a_row_still_running_and_stays_exact(mod
         assert before["parked_sequences"] == 0 and ran_throughout
         assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == shared
         assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompts[1]) - shared
-        assert max(_gap(model, p, o) for p, o in zip(prompts, (first, second), strict=True)) < 1e-4
+        assert (
+            max(teacher_forcing_gap(model, p, o) for p, o in zip(prompts, (first, second), strict=True))
+            < 1e-4
+        )
     finally:
         engine.close()
 
@@ -188,7 +182,7 @@ def test_a_row_running_across_a_weight_change_offers_its_prefix_no_more(model, t
         assert ran_throughout
         assert after["prefix_cache_hits"] == before["prefix_cache_hits"]
         assert after["prefill_tokens"] - before["prefill_tokens"] == len(prompts[1])
-        assert _gap(other, prompts[1], second) < 1e-4
+        assert teacher_forcing_gap(other, prompts[1], second) < 1e-4
     finally:
         engine.close()
 
@@ -224,7 +218,7 @@ def test_a_parked_history_moved_up_by_compaction_keeps_every_position(model, tok
         second_prompt = _next_turn(tokenizer, history, first, "And then?")
         second = _generate(engine, second_prompt)
         assert engine.stats()["prefix_cache_hits"] - before == held
-        assert _gap(model, second_prompt, second) < 1e-4
+        assert teacher_forcing_gap(model, second_prompt, second) < 1e-4
     finally:
         engine.close()
 
@@ -275,8 +269,8 @@ def test_agents_churning_through_a_small_engine_get_exact_answers_whatever_the_c
         stats = engine.stats()
         assert stats["prefix_cache_hits"] > stats["prefix_cache_queries"] / 4
         assert stats["rows_compacted"] > 0
-        gaps = [_gap(model, p, o) for agent in before for p, o in agent]
-        gaps += [_gap(other, p, o) for agent in after for p, o in agent]
+        gaps = [teacher_forcing_gap(model, p, o) for agent in before for p, o in agent]
+        gaps += [teacher_forcing_gap(other, p, o) for agent in after for p, o in agent]
         assert len(gaps) == 80 and max(gaps) < 1e-4
     finally:
         engine.close()
@@ -302,7 +296,7 @@ def test_an_evicted_prefix_is_recomputed_not_read(model, tokenizer):
         second_prompt = _next_turn(tokenizer, first_prompt, first, "And 4+4?")
         second = _generate(engine, second_prompt)
         assert engine.stats()["prefix_cache_hits"] == before
-        assert _gap(model, second_prompt, second) < 1e-4
+        assert teacher_forcing_gap(model, second_prompt, second) < 1e-4
     finally:
         engine.close()
 
@@ -325,7 +319,7 @@ def test_new_weights_forget_every_prefix(model, tokenizer, make_diverse_model):
         other = make_diverse_model(seed=5)
         _, _, second_prompt, second, reused = _next_turn_after_a_push(engine, tokenizer, other)
         assert reused == 0
-        assert _gap(other, second_prompt, second) < 1e-4
+        assert teacher_forcing_gap(other, second_prompt, second) < 1e-4
     finally:
         engine.close()
 
@@ -349,7 +343,7 @@ def test_a_prefix_may_outlive_a_bounded_number_of_weight_changes(model, tokenize
             1, torch.tensor(second.token_ids)[:, None]
         )
         assert (expected[:, 0] - torch.tensor(second.logprobs)).abs().max().item() < 1e-4
-        assert _gap(other, second_prompt, second) > 1e-3  # the old history really was read
+        assert teacher_forcing_gap(other, second_prompt, second) > 1e-3  # the old history really was read
 
         third_prompt = _next_turn(tokenizer, first_prompt, first, "And 5+5?")  # parked before both pushes
         engine.update_weights(make_diverse_model(seed=6).state_dict())
@@ -357,7 +351,7 @@ def test_a_prefix_may_outlive_a_bounded_number_of_weight_changes(model, tokenize
         before = engine.stats()["prefix_cache_hits"]
         third = _generate(engine, third_prompt)
         assert engine.stats()["prefix_cache_hits"] == before
-        assert _gap(other, third_prompt, third) < 1e-4
+        assert teacher_forcing_gap(other, third_prompt, third) < 1e-4
     finally:
         engine.close()
 
@@ -375,7 +369,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_that_attend_to_each_other(model, t
         assert stats["prefill_packed_tokens"] == len(prompt) and stats["prefill_extend_tokens"] == 0
         assert stats["busy_prefill_packed_s"] == stats["busy_prefill_forward_s"] > 0
         assert 0 < stats["busy_prefill_packed_host_s"] <= stats["busy_prefill_packed_s"] + 1e-3
-        assert _gap(model, prompt, out) < 1e-4
+        assert teacher_forcing_gap(model, prompt, out) < 1e-4
     finally:
         engine.close()
 
@@ -390,7 +384,7 @@ def test_a_full_engine_reuses_the_slot_a_partial_match_copies_from(model, tokeni
         rewritten = first_prompt[:-4] + tokenizer("Something else entirely.")["input_ids"]
         out = _generate(engine, rewritten)
         assert engine.stats()["prefix_cache_hits"] >= 16
-        assert _gap(model, rewritten, out) < 1e-4
+        assert teacher_forcing_gap(model, rewritten, out) < 1e-4
     finally:
         engine.close()
 
@@ -425,6 +419,6 @@ def test_next_turns_admitted_together_into_a_full_engine_all_reuse_their_histori
         after = engine.stats()
         assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= sum(len(p) - 4 for p in firsts)
         assert after["prefills"] - before["prefills"] == 1
-        assert max(_gap(model, p, o) for p, o in zip(rewritten, outs, strict=True)) < 1e-4
+        assert max(teacher_forcing_gap(model, p, o) for p, o in zip(rewritten, outs, strict=True)) < 1e-4
     finally:
         engine.close()
