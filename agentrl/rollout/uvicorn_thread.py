@@ -7,7 +7,7 @@ concurrent test between choosing and binding.
 
 Apps served this way are also listed by URL (`find_local_app`), so clients in the same process (the
 `RolloutPool` calling its servers, the collector calling the gateway) reach them through
-`InProcessFirstTransport`: in-process ASGI instead of a TCP hop.
+`InProcessFirstTransport`: in-process ASGI instead of a TCP hop, streamed responses streamed (`asgi_stream.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import uvicorn
 
+from agentrl.rollout.asgi_stream import StreamingASGITransport
+
 __all__ = ["InProcessFirstTransport", "ServerHandle", "find_local_app", "start_server_in_thread"]
 
 _LOCAL_APPS: dict[str, Any] = {}
@@ -33,9 +35,10 @@ def find_local_app(origin: str) -> Any | None:
 
 
 class InProcessFirstTransport(httpx.AsyncBaseTransport):
-    """Requests to an app this process serves go to it through ASGI, in the caller's event loop; the rest
-    go to `network`. Measured on 128 concurrent calls, the TCP hop plus uvicorn's thread cost more than
-    the model on CPU (docs/benchmarks.md, benchmarks/rollout_overhead.py).
+    """Requests to an app this process serves go to it through ASGI, in the caller's event loop (streamed
+    responses part by part, `StreamingASGITransport`); the rest go to `network`. Measured on 128 concurrent
+    calls, the TCP hop plus uvicorn's thread cost more than the model on CPU (docs/benchmarks.md,
+    benchmarks/rollout_overhead.py).
 
     `network` may be a factory, called at the first request that leaves the process: an
     `httpx.AsyncHTTPTransport` builds an SSL context (~50 ms on 2 CPU cores), which a collector that
@@ -44,7 +47,7 @@ class InProcessFirstTransport(httpx.AsyncBaseTransport):
     def __init__(self, network: httpx.AsyncBaseTransport | Callable[[], httpx.AsyncBaseTransport]) -> None:
         self._network = network if isinstance(network, httpx.AsyncBaseTransport) else None
         self._make_network = None if self._network is not None else network
-        self._local: dict[str, tuple[Any, httpx.ASGITransport]] = {}
+        self._local: dict[str, tuple[Any, StreamingASGITransport]] = {}
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         origin = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
@@ -56,7 +59,7 @@ class InProcessFirstTransport(httpx.AsyncBaseTransport):
         cached = self._local.get(origin)
         if cached is None or cached[0] is not app:
             # Exceptions become 500s, as over TCP, so failover treats both paths alike.
-            cached = (app, httpx.ASGITransport(app, raise_app_exceptions=False))
+            cached = (app, StreamingASGITransport(app))
             self._local[origin] = cached
         return await cached[1].handle_async_request(request)
 

@@ -7,6 +7,7 @@ told to stream over HTTP (`direct=False`), the path of a server in another proce
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -20,7 +21,7 @@ from agentrl.rollout.app import build_server_app
 from agentrl.rollout.engines.embedded import build_embedded_engine
 from agentrl.rollout.gateway import Gateway
 from agentrl.rollout.pool import RolloutPool
-from agentrl.rollout.uvicorn_thread import start_server_in_thread
+from agentrl.rollout.uvicorn_thread import InProcessFirstTransport, start_server_in_thread
 from agentrl.types import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -193,3 +194,46 @@ def test_a_client_that_leaves_mid_stream_frees_the_server_and_records_nothing(ga
         time.sleep(0.05)
     assert gateway.pool.servers[0].in_flight == 0 and gateway.pool.servers[0].healthy
     assert gateway.session_traces("gone") == []
+
+
+def test_a_flow_of_this_process_gets_its_tokens_as_they_come_and_can_leave(gateway: Gateway) -> None:
+    """The trainer's flows reach its gateway through ASGI in their own event loop (`InProcessFirstTransport`), not
+    TCP: their streams come part by part there too (httpx's own ASGI transport gave the whole answer at its
+    end), and a flow that stops reading frees the server."""
+
+    async def go() -> tuple[int, float, float]:
+        http = httpx.AsyncClient(transport=InProcessFirstTransport(httpx.AsyncHTTPTransport()), timeout=60)
+        async with http:
+
+            def client(sid: str) -> openai.AsyncOpenAI:
+                return openai.AsyncOpenAI(
+                    base_url=gateway.open_session(sid), api_key="x", max_retries=0, http_client=http
+                )
+
+            t0 = time.perf_counter()
+            stream = await client("inproc").chat.completions.create(
+                model=MODEL, messages=MSG, stream=True, max_tokens=MAX_TOKENS, seed=1,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )  # fmt: skip
+            with_tokens, last = [], 0.0
+            async for chunk in stream:
+                last = time.perf_counter() - t0
+                if chunk.choices and chunk.choices[0].model_extra.get("token_ids"):
+                    with_tokens.append(last)
+            gone = await client("inproc-gone").chat.completions.create(
+                model=MODEL, messages=MSG, stream=True, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True}
+            )
+            await anext(aiter(gone))
+            await gone.close()
+            deadline = time.monotonic() + 30
+            while gateway.pool.servers[0].in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return len(with_tokens), with_tokens[0], last
+
+    chunks, first, total = asyncio.run(go())
+    assert chunks >= 8, f"{chunks} chunks carried tokens: the answer came in one piece"
+    assert first < total / 2, f"first tokens after {first:.3f}s of {total:.3f}s"
+    assert gateway.pool.servers[0].in_flight == 0 and gateway.pool.servers[0].healthy
+    assert gateway.session_traces("inproc-gone") == []
+    (trace,) = gateway.session_traces("inproc")
+    assert len(trace.response_ids) == MAX_TOKENS
