@@ -35,8 +35,9 @@ engine received and the tokens its prefill computed (`perf/prompt_tokens`, `perf
 the flow, `batch/tool_wait_share`), the mean prompt length of the last call (`last prompt`, what the history
 grew to), the share of failed episodes (error, timeout, prompt too long) and, with `--stream`, the tokens a
 streamed chunk carried (`tok/chunk`: completion tokens over the chunks with tokens, `batch/tokens_per_chunk`;
-1 when the server streams a token at a time, more when it decodes several steps per engine step). A JSON line
-per row follows the table; `--out FILE` writes the workload and the rows as JSON.
+1 when the server streams a token at a time, more when it decodes several steps per engine step) and the
+share of a streamed call's time until its first tokens arrived (`first tok share`, `batch/first_token_share`:
+near 1 when the answer arrives in one piece at its end). A JSON line per row follows the table; `--out FILE` writes the workload and the rows as JSON.
 
     # CPU, small (15-20 s on 2 cores):
     python benchmarks/agent_step.py --tasks 2 --episodes 2 --turns 3 --steps 2 \\
@@ -98,6 +99,7 @@ OPTIONAL_METRICS = {
     "staleness_max": ("async/staleness_max",),
     "streamed_share": ("async/streamed_share",),
     "tokens_per_chunk": ("batch/tokens_per_chunk",),
+    "first_token_share": ("batch/first_token_share",),
 }
 """Row field -> the metric names it is read from, the first present winning (None when none is)."""
 FAILED_REASONS = ("error", "timeout", "max_prompt_length_exceeded")
@@ -165,6 +167,7 @@ class ToolLoopFlow(AgentFlow):
         messages = [dict(m) for m in task["prompt"]]
         waited, sent, last_prompt, answer = 0.0, 0, 0, ""
         generated = chunks = 0
+        first_s = call_s = 0.0
         for turn in range(w.turns):
             rng = random.Random(f"{w.seed}:{ctx.session_id}:{turn}")
             k = rng.randint(w.min_answer, w.max_answer)
@@ -175,8 +178,10 @@ class ToolLoopFlow(AgentFlow):
                 "extra_body": {"min_tokens": k, "ignore_eos": True},
             }
             if w.stream:
-                answer, usage, with_tokens = await streamed_reply(ctx.client, request)
+                called = time.perf_counter()
+                answer, usage, with_tokens, first = await streamed_reply(ctx.client, request)
                 chunks += with_tokens
+                first_s, call_s = first_s + first, call_s + time.perf_counter() - called
             else:
                 reply = await ctx.client.chat.completions.create(**request)
                 answer, usage = reply.choices[0].message.content or "", reply.usage
@@ -207,25 +212,33 @@ class ToolLoopFlow(AgentFlow):
                 "flow_wall_s": time.perf_counter() - started,
                 "last_prompt_tokens": float(last_prompt),
                 "prompt_tokens_sent": float(sent),
-                **({"tokens_per_chunk": generated / max(chunks, 1)} if w.stream else {}),
+                **(
+                    {"tokens_per_chunk": generated / max(chunks, 1), "first_token_share": first_s / call_s}
+                    if w.stream
+                    else {}
+                ),
             },
         )
 
 
-async def streamed_reply(client, request: dict) -> tuple[str, object, int]:
-    """One streamed chat call: its text, its usage (the last chunk's) and how many chunks carried tokens (by
-    their logprobs: a token of a random-weight preset often decodes to no text)."""
+async def streamed_reply(client, request: dict) -> tuple[str, object, int, float]:
+    """One streamed chat call: its text, its usage (the last chunk's), how many chunks carried tokens (by
+    their logprobs: a token of a random-weight preset often decodes to no text) and the seconds until the
+    first of them arrived."""
+    started = time.perf_counter()
     stream = await client.chat.completions.create(
         **request, stream=True, stream_options={"include_usage": True}, logprobs=True
     )
-    parts, usage, chunks = [], None, 0
+    parts, usage, chunks, first = [], None, 0, 0.0
     async for chunk in stream:
         usage = chunk.usage or usage
         if chunk.choices:
             choice = chunk.choices[0]
             parts.append(choice.delta.content or "")
-            chunks += bool(choice.logprobs and choice.logprobs.content)
-    return "".join(parts), usage, chunks
+            if choice.logprobs and choice.logprobs.content:
+                chunks += 1
+                first = first or time.perf_counter() - started
+    return "".join(parts), usage, chunks, first
 
 
 class SeededReward(Evaluator):
@@ -244,7 +257,7 @@ class SeededReward(Evaluator):
                 "tool_wait_share": share,
                 "last_prompt_tokens": m.get("last_prompt_tokens", 0.0),
                 "prompt_tokens_sent": m.get("prompt_tokens_sent", 0.0),
-                **({"tokens_per_chunk": m["tokens_per_chunk"]} if "tokens_per_chunk" in m else {}),
+                **{k: m[k] for k in ("tokens_per_chunk", "first_token_share") if k in m},
             },
         )
 
@@ -437,6 +450,7 @@ COLUMNS = [
     ("staleness max", "staleness_max", 0),
     ("streamed", "streamed_share", 2),
     ("tok/chunk", "tokens_per_chunk", 2),
+    ("first tok share", "first_token_share", 2),
 ]
 
 
