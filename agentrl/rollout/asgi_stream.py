@@ -120,8 +120,8 @@ class _Exchange:
             await self.app(self.scope, self.receive, self.send)
         except Exception as exc:  # noqa: BLE001 - becomes the response's failure, as over TCP
             failure = exc
-            if not self.gone.is_set():
-                logger.debug("in-process app failed on %s", self.scope["path"], exc_info=True)
+            if not self.gone.is_set():  # uvicorn logs an app that raised, unless its client had left
+                logger.error("in-process app failed on %s", self.scope["path"], exc_info=True)
         except asyncio.CancelledError as exc:
             failure = exc
             raise
