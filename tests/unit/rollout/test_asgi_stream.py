@@ -88,6 +88,25 @@ def test_closing_the_response_tells_the_app_the_client_left() -> None:
     assert asyncio.run(asyncio.wait_for(go(), 10)) == b"tick;"
 
 
+def test_a_reader_cancelled_mid_body_stops_the_app() -> None:
+    """A rollout that runs past `agent.timeout` is cancelled while it reads: the app is told its client left."""
+
+    async def go() -> None:
+        state: dict = {}
+        async with await _client(state) as client:
+
+            async def read_forever() -> None:
+                async with client.stream("GET", "/endless") as response:
+                    async for _ in response.aiter_raw():
+                        pass
+
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(read_forever(), 0.2)
+            await asyncio.wait_for(state["stopped"].wait(), 5)
+
+    asyncio.run(go())
+
+
 def test_a_body_the_app_breaks_off_is_an_error_not_a_short_answer() -> None:
     async def go() -> list[bytes]:
         got: list[bytes] = []
