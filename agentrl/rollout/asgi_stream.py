@@ -101,10 +101,8 @@ class _Exchange:
         return {"type": "http.disconnect"}
 
     async def send(self, message: dict[str, Any]) -> None:
-        if self.gone.is_set():
-            raise OSError(
-                "the client closed the response"
-            )  # what uvicorn raises to an app after a disconnect
+        if self.gone.is_set():  # uvicorn too raises an OSError to an app that sends after a disconnect
+            raise OSError("the client closed the response")
         if message["type"] == "http.response.start":
             self.head.set_result((message["status"], message.get("headers", [])))
         elif message["type"] == "http.response.body" and not self.body_done:
