@@ -37,7 +37,8 @@ grew to), the share of failed episodes (error, timeout, prompt too long) and, wi
 streamed chunk carried (`tok/chunk`: completion tokens over the chunks with tokens, `batch/tokens_per_chunk`;
 1 when the server streams a token at a time, more when it decodes several steps per engine step) and the
 share of a streamed call's time until its first tokens arrived (`first tok share`, `batch/first_token_share`:
-near 1 when the answer arrives in one piece at its end). A JSON line per row follows the table; `--out FILE` writes the workload and the rows as JSON.
+near 1 when the answer arrives in one piece at its end). A JSON line per row follows the table; `--out FILE`
+writes the workload and the rows as JSON.
 
     # CPU, small (15-20 s on 2 cores):
     python benchmarks/agent_step.py --tasks 2 --episodes 2 --turns 3 --steps 2 \\
