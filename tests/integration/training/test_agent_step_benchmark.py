@@ -69,7 +69,7 @@ def test_streamed_calls_merge_and_report_the_tokens_a_chunk_carried():
     step more than one (an engine step's tokens come as one chunk); the first tokens come before the last."""
     rows = agent_step.main(
         ["--model", "tiny:qwen2-mini", "--device", "cpu", "--tasks", "1", "--episodes", "2", "--turns", "3"]
-        + ["--steps", "2", "--system-tokens", "20", "--min-answer", "6", "--max-answer", "9"]
+        + ["--steps", "2", "--system-tokens", "20", "--min-answer", "12", "--max-answer", "16"]
         + ["--obs-tokens", "8", "--tool-latency", "zero", "--stream"]
         + ["--set", "actor_rollout_ref.rollout.max_num_seqs=8"]
         + ["--config", "k1:", "--config", "k4:actor_rollout_ref.rollout.num_scheduler_steps=4"]
@@ -78,6 +78,7 @@ def test_streamed_calls_merge_and_report_the_tokens_a_chunk_carried():
     assert one["merged_steps"] == four["merged_steps"] == 4  # 2 episodes x 2 next turns
     assert one["continuation_fallbacks"] == four["continuation_fallbacks"] == 0
     assert one["tokens_per_chunk"] == 1 and four["tokens_per_chunk"] > 1.5
-    # The flows call the trainer's gateway in-process: their chunks come as generated, not all at the end (0.27
-    # here, 0.996 through httpx's ASGITransport, which runs the app to its end first).
-    assert four["first_token_share"] < 0.75
+    # The flows call the trainer's gateway in-process: their chunks come as generated, not all at the end (a
+    # token a chunk: 0.45-0.49 of a call's time until the first on a quiet host, 0.965-0.967 through httpx's
+    # ASGITransport, which runs the app to its end first).
+    assert one["first_token_share"] < 0.85
