@@ -6,7 +6,8 @@ chunk only once the last was generated, all of them in one burst, where a client
 engine makes it; and a client that stopped reading could not stop the generation. Here the app runs as a task
 of the caller's event loop: the response returns at the app's `http.response.start`, its body is read part by
 part as the app sends them, and closing the response is the client going away (the app's `receive` answers
-`http.disconnect`, its `send` raises `OSError`), as a closed connection is to a server.
+`http.disconnect`, its `send` raises `OSError`), as a closed connection is to a server. A caller cancelled
+before the response starts cancels the app, as when it ran inside the caller's task.
 
 A failure keeps the TCP path's meaning: an app that raises before its response starts answers 500 (what
 uvicorn sends); one that raises, or returns, in the middle of its body ends the body with
@@ -84,8 +85,11 @@ class _Exchange:
         task.add_done_callback(_RUNNING.discard)
         try:
             status, headers = await asyncio.shield(self.head)
-        except BaseException:  # the caller gave up (cancelled, timed out): a client that hung up
+        except BaseException:  # the caller gave up (cancelled, timed out) before the answer began
             self.gone.set()
+            # Stop the app with it, as when the app ran inside the caller's task (httpx's ASGITransport): a
+            # rollout past `agent.timeout` aborts its gateway call and the engine's request, recording nothing.
+            task.cancel()
             raise
         return httpx.Response(status, headers=headers, stream=_Body(self))
 

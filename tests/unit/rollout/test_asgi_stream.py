@@ -45,6 +45,14 @@ def _app(state: dict) -> FastAPI:
 
         return StreamingResponse(body())
 
+    @app.get("/slow")
+    async def slow() -> dict:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            state["stopped"].set()
+        return {}
+
     @app.post("/echo")
     async def echo(request: Request) -> dict:
         return {"got": (await request.json())["x"], "client": list(request.client)}
@@ -102,6 +110,20 @@ def test_a_reader_cancelled_mid_body_stops_the_app() -> None:
 
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(read_forever(), 0.2)
+            await asyncio.wait_for(state["stopped"].wait(), 5)
+
+    asyncio.run(go())
+
+
+def test_a_caller_that_gives_up_before_the_answer_stops_the_app() -> None:
+    """A rollout cancelled while its (unstreamed) call waits: the handler stops with it, as when the app ran
+    inside the caller's task, rather than generating on for nobody."""
+
+    async def go() -> None:
+        state: dict = {}
+        async with await _client(state) as client:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.get("/slow"), 0.2)
             await asyncio.wait_for(state["stopped"].wait(), 5)
 
     asyncio.run(go())
