@@ -54,6 +54,7 @@ from agentrl.rollout.engines._flash_extend import (
     packed_rows,
 )
 from agentrl.rollout.engines._fused_projections import FusedProjections, LayerFused
+from agentrl.rollout.engines._graph_launch import GraphLauncher
 from agentrl.rollout.engines._prefix_cache import (
     BLOCK_TOKENS,
     PrefixCache,
@@ -120,6 +121,16 @@ class _AdmissionPlan:
     """(parked slot, new slot, tokens) prefixes copied before the prefill."""
     sources: set[int] = field(default_factory=set)
     """Parked slots copied from: evicted for a new row only when no other parked slot is left."""
+
+
+@dataclass
+class _PrefillMark:
+    """Where a prefill forward began: the host's clock and, on CUDA, a timing event; `end`, an event recorded
+    right after the launch of a forward that is one graph (else `_prefill_done` records it)."""
+
+    host_start: float
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
 
 
 def weight_layout(model: torch.nn.Module) -> tuple:
@@ -306,6 +317,8 @@ class SlotBatch:
         those forwards and their seconds (`EmbeddedEngine.stats`; on CUDA, device time read off events once
         they complete: `settle_timings`); the same per path (`PREFILL_PATHS`), with the host's seconds issuing
         them (building inputs and launching; a forward whose host seconds near its device seconds is host-bound)."""
+        self._launcher = GraphLauncher(self.device) if self.device.type == "cuda" else None
+        """Launches the graphs and records the prefill's timing events without letting go of the GIL."""
         self._prefill_events: list[tuple[torch.cuda.Event, torch.cuda.Event, str]] = []
         self._events_lock = threading.Lock()
         self.setup_s = {"cache_alloc_s": 0.0, "graph_capture_s": 0.0}
@@ -615,7 +628,7 @@ class SlotBatch:
 
             self._graphs[key] = self._capture(lambda: self._compiled_or_plain("extend", step), step)
         graph, output = self._graphs[key]
-        graph.replay()
+        self._launcher.launch(graph)
         return output.clone()
 
     def _flash_extend(
@@ -650,11 +663,12 @@ class SlotBatch:
 
     def _flash_call(
         self, inputs: torch.Tensor, sequences: torch.Tensor, tokens: int, rows: int
-    ) -> tuple[torch.Tensor, tuple[float, torch.cuda.Event | None]]:
+    ) -> tuple[torch.Tensor, _PrefillMark]:
         """`flash_extend_step` on `packed_rows`' host tensors, replayed from its (tokens, rows) graph (captured on
         first use, into buffers kept per shape; run as it is without graphs); its logits and
-        `_prefill_started`'s mark, made just before the forward: its device time is timed, not the host's work
-        before it (a capture, the inputs' copies), which the extend path's host seconds count."""
+        `_prefill_started`'s mark, made just before the forward and closed right after its launch: its device
+        time is timed, not the host's work before it (a capture, the inputs' copies), which the extend path's
+        host seconds count, nor a wait of the host's after it."""
         key = ("flash", tokens, rows)
         buffers = self._extend_inputs.get(key) if self.cuda_graphs else None
         if buffers is None:
@@ -683,7 +697,8 @@ class SlotBatch:
             self._graphs[key] = self._capture(lambda: self._compiled_or_plain("flash", step), step)
         graph, output = self._graphs[key]
         started = self._prefill_started()
-        graph.replay()
+        self._launcher.launch(graph)
+        started.end = self._launcher.mark()
         return output.clone(), started
 
     def _prefill_chunks(
@@ -747,30 +762,27 @@ class SlotBatch:
         cached = [tuple(hashes[i][: start // BLOCK_TOKENS]) for i, _, start, _ in batch]
         return plan_shared_prefix(list(range(len(batch))), cached, len(batch), BLOCK_TOKENS, self.device)
 
-    def _prefill_started(self) -> tuple[float, torch.cuda.Event | None]:
+    def _prefill_started(self) -> _PrefillMark:
         """Mark the start of a prefill forward: the host's clock, and on CUDA an event on the device (waiting
         for the device to time it would stall the host behind the decode step launched ahead)."""
-        if self.device.type != "cuda":
-            return time.perf_counter(), None
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        return time.perf_counter(), start
+        if self._launcher is None:
+            return _PrefillMark(time.perf_counter())
+        start = self._launcher.mark()
+        return _PrefillMark(time.perf_counter(), start)
 
-    def _prefill_done(self, started: tuple[float, torch.cuda.Event | None], tokens: int, path: str) -> None:
-        host_start, event = started
-        host_s = time.perf_counter() - host_start
+    def _prefill_done(self, started: _PrefillMark, tokens: int, path: str) -> None:
+        host_s = time.perf_counter() - started.host_start
         for prefix in ("prefill", path):
             self.counters[f"{prefix}_tokens"] += tokens
             self.counters[f"{prefix}_forwards"] += 1
         self.counters[f"{path}_host_s"] += host_s
-        if event is None:
+        if started.start is None:
             self.counters["prefill_s"] += host_s
             self.counters[f"{path}_s"] += host_s
             return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        end = started.end or self._launcher.mark()
         with self._events_lock:
-            self._prefill_events.append((event, end, path))
+            self._prefill_events.append((started.start, end, path))
         self.settle_timings(wait=False)
 
     def settle_timings(self, wait: bool = True) -> None:
@@ -784,6 +796,7 @@ class SlotBatch:
                 if not end.query():
                     break
                 seconds = start.elapsed_time(end) / 1000
+                self._launcher.release(start, end)
                 self.counters["prefill_s"] += seconds
                 self.counters[f"{path}_s"] += seconds
                 done += 1
@@ -964,7 +977,7 @@ class SlotBatch:
         self._positions[:bucket].copy_(self._to_device(positions))
         if self.cuda_graphs:
             graph, logits = self._graph(bucket)
-            graph.replay()
+            self._launcher.launch(graph)
         else:
             logits = self._step(bucket)
         self._row_positions = [p + 1 for p in self._row_positions]
@@ -1032,7 +1045,7 @@ class SlotBatch:
         bucket = self._bucket(max(self._row_slots) + 1)
         if self.cuda_graphs:
             graph, results = self._sampled_graph(bucket, needs, steps)
-            graph.replay()
+            self._launcher.launch(graph)
         else:
             results = self._sampled_steps(bucket, needs, steps)
         # At most: a row at its limit stopped earlier, and the host retires it before its position is read.
