@@ -39,11 +39,11 @@ def _driver() -> ctypes.PyDLL | None:
 
 class GraphLauncher:
     """Launch CUDA graphs and record timing events on the current stream of `device` without letting go of the
-    GIL (see the module docstring); `driver=False` uses torch's calls (what a machine without the driver gets)."""
+    GIL (see the module docstring); through torch's calls where the CUDA driver library is not there (ROCm)."""
 
-    def __init__(self, device: torch.device, driver: bool = True) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._driver = _driver() if driver and torch.version.hip is None else None
+        self._driver = _driver() if torch.version.hip is None else None
         self._direct: weakref.WeakKeyDictionary[torch.cuda.CUDAGraph, bool] = weakref.WeakKeyDictionary()
         self._free: deque[torch.cuda.Event] = deque()
 
